@@ -1,0 +1,40 @@
+"""Shared wiring of the command apps: the @hydra.main decorator on conf/<command>.yaml and validation."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import hydra
+from omegaconf import DictConfig
+
+from fluxlab.config import CONF_DIR, ConfigError, validate_config
+from fluxlab.config.schema import register_configs
+
+log = logging.getLogger("fluxlab")
+
+
+def hydra_app(command: str, body: Callable[[DictConfig], object]) -> Callable[[], None]:
+    """A `main()` that runs `body` under @hydra.main with conf/<command>.yaml as primary config."""
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=command)
+    def _run(cfg: DictConfig) -> object:
+        return body(cfg)
+
+    def main() -> None:
+        register_configs()
+        _run()
+
+    return main
+
+
+def validated(cfg: DictConfig) -> DictConfig:
+    """Validate a run config; a broken rule ends the command with its message (exit 2), no traceback."""
+    try:
+        notes = validate_config(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    for note in notes:
+        log.info("config: %s", note)
+    return cfg

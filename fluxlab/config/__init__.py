@@ -1,0 +1,5 @@
+"""Config schema (structured dataclasses), composition and the one cross-field validation."""
+from fluxlab.config.compose import CONF_DIR, PROJECT_ROOT, compose
+from fluxlab.config.validate import ConfigError, validate_config
+
+__all__ = ["CONF_DIR", "PROJECT_ROOT", "compose", "ConfigError", "validate_config"]

@@ -1,0 +1,173 @@
+"""The one place where cross-field rules are checked and derived values are filled in.
+
+`validate_config` resolves `auto`/null keys (device, attention backend, page size, steps, capture
+batch sizes) in place and raises ConfigError naming the keys and values of the first broken rule.
+It returns notes (things it changed or dropped) for the caller to log.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig, open_dict
+
+DECODERS = ("threshold", "hierarchy", "joint_threshold")
+LATER_DECODERS = ("levenshtein_joint",)
+POLICIES = ("paged", "dynamic", "static")
+BACKENDS = ("sdpa", "flashinfer", "fa4")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending keys."""
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> list[str]:
+    """Resolve derived keys of a run config in place and check every cross-field rule."""
+    notes: list[str] = []
+    if cuda_available is None:
+        cuda_available = _cuda_available()
+    eng, model, sched, attn, dec, par = (
+        cfg.engine, cfg.model, cfg.scheduler, cfg.attention, cfg.decoding, cfg.parallel)
+
+    with open_dict(cfg):
+        # --- engine ---
+        if eng.device == "auto":
+            eng.device = "cuda" if cuda_available else "cpu"
+        _check(eng.device == "cpu" or eng.device.startswith("cuda"),
+               f"engine.device={eng.device!r}: use auto, cpu, cuda or cuda:N")
+        on_cuda = eng.device.startswith("cuda")
+        _check(not on_cuda or cuda_available,
+               f"engine.device={eng.device!r} but no CUDA device is visible; use engine.device=cpu")
+        _check(eng.dtype in DTYPES, f"engine.dtype={eng.dtype!r}: use one of {', '.join(DTYPES)}")
+        _check(0.0 < eng.gpu_memory_utilization <= 1.0,
+               f"engine.gpu_memory_utilization={eng.gpu_memory_utilization} must be in (0, 1]")
+        _check(0.0 <= eng.gpu_memory_safety_reserve < eng.gpu_memory_utilization,
+               f"engine.gpu_memory_safety_reserve={eng.gpu_memory_safety_reserve} must be in "
+               f"[0, engine.gpu_memory_utilization={eng.gpu_memory_utilization})")
+        _check(eng.kv_cache_layout in ("paged", "dense"),
+               f"engine.kv_cache_layout={eng.kv_cache_layout!r}: use paged or dense")
+        _check(eng.cpu_kv_cache_gb > 0, f"engine.cpu_kv_cache_gb={eng.cpu_kv_cache_gb} must be > 0")
+
+        # --- decoding ---
+        bl = dec.block_length
+        _check(bl >= 1, f"decoding.block_length={bl} must be >= 1")
+        _check(dec.decoder not in LATER_DECODERS,
+               f"decoding.decoder={dec.decoder!r} is not implemented yet; use one of {', '.join(DECODERS)}")
+        _check(dec.decoder in DECODERS,
+               f"decoding.decoder={dec.decoder!r}: use one of {', '.join(DECODERS)}")
+        for key in ("threshold", "low_threshold", "editing_threshold"):
+            value = dec[key]
+            _check(0.0 <= value <= 1.0, f"decoding.{key}={value} must be in [0, 1]")
+        if dec.max_denoising_steps is not None:
+            dec.steps = dec.max_denoising_steps
+            notes.append(f"decoding.steps set to decoding.max_denoising_steps={dec.max_denoising_steps}")
+        if dec.steps is None:
+            dec.steps = bl
+        _check(1 <= dec.steps <= bl,
+               f"decoding.steps={dec.steps} must be in [1, decoding.block_length={bl}]")
+        _check(dec.max_post_steps >= 0, f"decoding.max_post_steps={dec.max_post_steps} must be >= 0")
+        _check(dec.temperature >= 0.0, f"decoding.temperature={dec.temperature} must be >= 0")
+        _check(0.0 < dec.top_p <= 1.0, f"decoding.top_p={dec.top_p} must be in (0, 1]")
+        _check(dec.top_k >= 0, f"decoding.top_k={dec.top_k} must be >= 0 (0 = off)")
+
+        # --- model ---
+        _check(model.load_format in ("auto", "random"),
+               f"model.load_format={model.load_format!r}: use auto or random")
+        _check(model.load_format != "random" or model.preset is not None,
+               "model.load_format=random needs model.preset (the shapes to build)")
+        _check(model.max_model_len >= bl,
+               f"model.max_model_len={model.max_model_len} must be >= decoding.block_length={bl}")
+        _check(1 <= model.max_new_tokens < model.max_model_len,
+               f"model.max_new_tokens={model.max_new_tokens} must be in [1, model.max_model_len={model.max_model_len})")
+
+        # --- scheduler and KV layout ---
+        _check(sched.policy in POLICIES, f"scheduler.policy={sched.policy!r}: use one of {', '.join(POLICIES)}")
+        _check(sched.max_num_seqs >= 1, f"scheduler.max_num_seqs={sched.max_num_seqs} must be >= 1")
+        if sched.policy in ("paged", "dynamic"):
+            _check(eng.kv_cache_layout == "paged",
+                   f"scheduler.policy={sched.policy} needs engine.kv_cache_layout=paged "
+                   f"(got {eng.kv_cache_layout}); the dense layout runs with scheduler=static")
+        if eng.page_size is None:
+            eng.page_size = bl
+        if sched.policy in ("paged", "dynamic"):
+            _check(eng.page_size == bl,
+                   f"engine.page_size={eng.page_size} must equal decoding.block_length={bl} "
+                   f"under scheduler.policy={sched.policy} (one block is one page)")
+            _check(model.max_model_len % bl == 0,
+                   f"model.max_model_len={model.max_model_len} must be divisible by "
+                   f"decoding.block_length={bl} under scheduler.policy={sched.policy}")
+            _check(sched.max_scheduled_tokens % bl == 0,
+                   f"scheduler.max_scheduled_tokens={sched.max_scheduled_tokens} must be divisible by "
+                   f"decoding.block_length={bl} under scheduler.policy={sched.policy}")
+        else:
+            _check(eng.page_size == bl,
+                   f"engine.page_size={eng.page_size} must equal decoding.block_length={bl}")
+            _check(model.max_model_len % bl == 0,
+                   f"model.max_model_len={model.max_model_len} must be divisible by decoding.block_length={bl}")
+        _check(sched.max_scheduled_tokens >= bl,
+               f"scheduler.max_scheduled_tokens={sched.max_scheduled_tokens} must be >= decoding.block_length={bl}")
+
+        # --- attention ---
+        if attn.backend == "auto":
+            attn.backend = "flashinfer" if on_cuda else "sdpa"
+        _check(attn.backend in BACKENDS, f"attention.backend={attn.backend!r}: use one of auto, {', '.join(BACKENDS)}")
+        _check(on_cuda or attn.backend == "sdpa",
+               f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
+               "use attention=sdpa on CPU")
+        _check(attn.cuda_graph_decode_mode in ("padded", "decomposed"),
+               f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode!r}: use padded or decomposed")
+        if attn.use_cuda_graph:
+            attn.use_decode_cuda_graph = True
+        graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
+        _check(not graphs or on_cuda,
+               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
+        if attn.cuda_graph_capture_bs is None:
+            sizes, b = [], 1
+            while b < sched.max_num_seqs:
+                sizes.append(b)
+                b *= 2
+            attn.cuda_graph_capture_bs = sizes + [sched.max_num_seqs]
+        capture_bs = list(attn.cuda_graph_capture_bs)
+        _check(all(1 <= b <= sched.max_num_seqs for b in capture_bs),
+               f"attention.cuda_graph_capture_bs={capture_bs}: each must be in [1, scheduler.max_num_seqs={sched.max_num_seqs}]")
+        attn.cuda_graph_capture_bs = sorted(set(capture_bs))
+        sizes = list(attn.cuda_graph_capture_sizes)
+        kept = sorted({s for s in sizes if s > 0 and s % bl == 0 and s <= model.max_model_len})
+        dropped = [s for s in sizes if s not in kept]
+        if dropped:
+            notes.append(f"attention.cuda_graph_capture_sizes: dropped {dropped} (need positive, multiples of "
+                         f"decoding.block_length={bl}, <= model.max_model_len={model.max_model_len}); kept {kept}")
+        attn.cuda_graph_capture_sizes = kept
+
+        # --- parallel (DESIGN §7) ---
+        for key in ("tp_size", "ep_size", "dp_size"):
+            _check(par[key] >= 1, f"parallel.{key}={par[key]} must be a positive integer")
+        _check(par.ep_size in (1, par.tp_size),
+               f"parallel.ep_size={par.ep_size} with parallel.tp_size={par.tp_size}: supported are "
+               "ep_size == tp_size (experts split across the TP ranks) or ep_size=1 (experts split on their width)")
+        _check(not par.enable_dp_attention,
+               "parallel.enable_dp_attention=true is not supported yet; use parallel.dp_size for replicas")
+        _check(par.distributed_backend in ("nccl", "gloo"),
+               f"parallel.distributed_backend={par.distributed_backend!r}: use nccl or gloo")
+        if not on_cuda and par.distributed_backend == "nccl" and par.tp_size > 1:
+            par.distributed_backend = "gloo"
+            notes.append("parallel.distributed_backend: nccl needs CUDA, using gloo on CPU")
+
+        # --- server ---
+        _check(0 <= cfg.server.port <= 65535, f"server.port={cfg.server.port} must be in [0, 65535]")
+        _check(cfg.server.max_waiting_requests >= 1,
+               f"server.max_waiting_requests={cfg.server.max_waiting_requests} must be >= 1")
+        if cfg.server.served_model_name is None:
+            cfg.server.served_model_name = model.name
+    return notes

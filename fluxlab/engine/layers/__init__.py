@@ -1,0 +1,1 @@
+"""Model building blocks: norms, rotary, linear (TP-ready), MoE, dense block-causal attention."""

@@ -1,0 +1,121 @@
+"""LLaDA2 MoE: sigmoid router with expert bias and group-limited top-k, stacked experts.
+
+Per-token definition (the published `LLaDA2MoeGate` + `moe_infer`):
+  scores = sigmoid(x @ gate.T) in fp32; experts are *chosen* on scores + expert_bias (group score =
+  sum of the top-2 biased scores of each of n_group groups, keep topk_group groups, top_k experts
+  among them); the *weights* are the unbiased scores of the chosen experts, divided by their sum
+  (+1e-20) and times routed_scaling_factor. Each expert is a SwiGLU run in the model dtype; the
+  weighted sum over the top_k outputs is taken in fp32 and cast back to the model dtype.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int,
+          n_group: int, topk_group: int, routed_scaling_factor: float):
+    """x [T, H] -> (topk_idx [T, top_k] int64, topk_weight [T, top_k] fp32)."""
+    logits = F.linear(x.float(), gate_weight.float())
+    scores = torch.sigmoid(logits)
+    choice = scores + expert_bias.float() if expert_bias is not None else scores
+    num_tokens, num_experts = choice.shape
+    if n_group > 1:
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    topk_idx = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, topk_idx)
+    if top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_idx, weights * routed_scaling_factor
+
+
+def _expert(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: w_gate_up [2I, H] (gate rows then up rows), w_down [H, I]."""
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def moe_reference(x, topk_idx, topk_weight, w_gate_up, w_down) -> torch.Tensor:
+    """Plain per-expert loop, the definition the vectorised path must match (used by tests)."""
+    num_tokens, top_k = topk_idx.shape
+    out = torch.zeros(num_tokens, top_k, x.shape[-1], dtype=x.dtype, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            out[tok, slot] = _expert(x[tok], w_gate_up[e], w_down[e])
+    return (out.float() * topk_weight[..., None].float()).sum(dim=1).to(x.dtype)
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def moe_forward(x, topk_idx, topk_weight, w_gate_up, w_down, use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """Vectorised MoE: sort (token, slot) pairs by expert, run experts on contiguous runs, scatter
+    back to [T, top_k, H] and combine in fp32 in the same order as `moe_reference`.
+
+    On CUDA bf16 with `torch._grouped_mm` the expert GEMMs are two grouped GEMMs; otherwise a loop
+    over only the experts that received tokens (CPU fallback).
+    """
+    num_tokens, top_k = topk_idx.shape
+    num_experts = w_gate_up.shape[0]
+    flat = topk_idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    sorted_x = x[order // top_k]
+    counts = torch.bincount(flat, minlength=num_experts)
+    if use_grouped_mm is None:
+        use_grouped_mm = _grouped_mm_ok(x)
+    if use_grouped_mm:
+        offs = counts.cumsum(0).to(torch.int32)
+        gate_up = torch._grouped_mm(sorted_x, w_gate_up.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        sorted_out = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    else:
+        sorted_out = torch.empty_like(sorted_x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                sorted_out[start:start + n] = _expert(sorted_x[start:start + n], w_gate_up[e], w_down[e])
+                start += n
+    out = torch.empty_like(sorted_out)
+    out[order] = sorted_out
+    out = out.view(num_tokens, top_k, -1)
+    return (out.float() * topk_weight[..., None].float()).sum(dim=1).to(x.dtype)
+
+
+class StackedExperts(nn.Module):
+    """All routed experts of one layer as two stacked parameters, ready for grouped GEMMs:
+    w_gate_up [E, 2*I, H] (rows: gate_proj then up_proj) and w_down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=None, device=None):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
+                                                  dtype=dtype, device=device), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+                                               dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x, topk_idx, topk_weight):
+        return moe_forward(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+
+
+class MoEGate(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, *, top_k: int, n_group: int, topk_group: int,
+                 routed_scaling_factor: float, dtype=None, device=None):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        # Kept in fp32: it only shifts the choice, and bf16 checkpoint values are exact in fp32.
+        self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
+                                        requires_grad=False)
+
+    def forward(self, x):
+        return route(x, self.weight, self.expert_bias, top_k=self.top_k, n_group=self.n_group,
+                     topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)

@@ -1,0 +1,207 @@
+"""Every group option and recipe composes and validates; each cross-field rule fails with its message."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from fluxlab.config import CONF_DIR, PROJECT_ROOT, ConfigError, compose, validate_config
+
+GROUPS = ["engine", "model", "scheduler", "attention", "decoding", "parallel", "server"]
+REQUIRED_OPTIONS = {
+    "model": {"tiny_llada2", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"},
+    "scheduler": {"paged", "dynamic"},
+    "attention": {"sdpa", "flashinfer", "fa4"},
+    "decoding": {"threshold", "hierarchy", "joint_threshold", "joint_threshold_speed"},
+    "parallel": {"single", "tp2", "tp2_ep2", "tp4_ep4", "dp2"},
+}
+RECIPES = ["llada2_mini_h200", "llada2_flash_tp4_ep4", "llada21_mini_quality", "llada21_mini_speed"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def valid(overrides=(), cuda=False, command="serve"):
+    cfg = compose(command, list(overrides))
+    notes = validate_config(cfg, cuda_available=cuda)
+    return cfg, notes
+
+
+def test_required_group_options_exist():
+    for group, required in REQUIRED_OPTIONS.items():
+        assert required <= set(options(group)), group
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_option_composes_and_validates(group):
+    for option in options(group):
+        cuda = option in ("flashinfer", "fa4")
+        cfg, _ = valid([f"{group}={option}"], cuda=cuda)
+        assert cfg.engine.device == ("cuda" if cuda else "cpu")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg, _ = valid([f"recipe={recipe}"], cuda=True)
+    assert cfg.recipe_name == recipe
+
+
+def test_recipe_overrides_groups_and_keys():
+    cfg, _ = valid(["recipe=llada2_mini_h200"], cuda=True)
+    assert cfg.model.name == "llada2_mini" and cfg.attention.backend == "flashinfer"
+    assert cfg.decoding.block_length == 32 and cfg.attention.use_decode_cuda_graph
+    cfg, _ = valid(["recipe=llada21_mini_speed"])
+    assert (cfg.decoding.decoder, cfg.decoding.threshold, cfg.decoding.editing_threshold) == ("joint_threshold", 0.5, 0.0)
+
+
+def test_user_recipe_folder_on_searchpath(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /decoding: hierarchy\nrecipe_name: mine\ndecoding:\n  low_threshold: 0.2\n")
+    cfg = compose("serve", ["recipe=mine", f"hydra.searchpath=[file://{tmp_path}]"])
+    assert cfg.recipe_name == "mine" and cfg.decoding.decoder == "hierarchy" and cfg.decoding.low_threshold == 0.2
+
+
+def test_table_defaults():
+    cfg = compose("serve")
+    expected = {
+        "server.host": "0.0.0.0", "server.port": 8000, "engine.device": "auto",
+        "engine.gpu_memory_utilization": 0.90, "engine.gpu_memory_safety_reserve": 0.05,
+        "engine.kv_cache_layout": "paged", "engine.dtype": "bfloat16", "engine.seed": 0, "engine.page_size": None,
+        "model.max_model_len": 2048, "model.max_new_tokens": 128, "model.trust_remote_code": True,
+        "scheduler.max_num_seqs": 8, "scheduler.max_scheduled_tokens": 512, "scheduler.policy": "paged",
+        "scheduler.num_device_pages": 0, "attention.backend": "auto", "attention.use_cuda_graph": False,
+        "attention.use_prefill_cuda_graph": False, "attention.use_decode_cuda_graph": False,
+        "attention.cuda_graph_decode_mode": "padded", "attention.cuda_graph_capture_bs": None,
+        "attention.cuda_graph_capture_sizes": [64, 128, 256, 512, 1024], "decoding.block_length": 64,
+        "decoding.canvas_length": 128, "decoding.max_denoising_steps": None, "decoding.decoder": "threshold",
+        "decoding.threshold": 0.9, "decoding.low_threshold": 0.3, "decoding.editing_threshold": 0.5,
+        "decoding.max_post_steps": 16, "parallel.tp_size": 1, "parallel.dp_size": 1, "parallel.ep_size": 1,
+        "parallel.enable_dp_attention": False, "parallel.distributed_backend": "nccl",
+    }
+    for key, value in expected.items():
+        assert OmegaConf.select(cfg, key) == value, key
+
+
+def test_resolution_of_auto_and_null_keys():
+    cfg, _ = valid(["scheduler.max_num_seqs=12"])
+    assert cfg.engine.page_size == 64 and cfg.decoding.steps == 64 and cfg.attention.backend == "sdpa"
+    assert cfg.attention.cuda_graph_capture_bs == [1, 2, 4, 8, 12]
+    cfg, _ = valid([], cuda=True)
+    assert cfg.engine.device == "cuda" and cfg.attention.backend == "flashinfer"
+
+
+def test_wrong_type_and_unknown_key_fail_at_compose():
+    with pytest.raises((ValidationError, ConfigCompositionException)) as err:
+        compose("serve", ["decoding.threshold=high"])
+    assert "threshold" in str(err.value) or "threshold" in str(err.value.__cause__)
+    with pytest.raises(ConfigCompositionException) as err:
+        compose("serve", ["engine.colour=red"])
+    assert "colour" in str(err.value) or "colour" in str(err.value.__cause__)
+
+
+RULES = [
+    (["engine.page_size=32"], "engine.page_size=32 must equal decoding.block_length=64"),
+    (["model.max_model_len=1000"], "model.max_model_len=1000 must be divisible by decoding.block_length=64"),
+    (["scheduler.max_scheduled_tokens=500"], "scheduler.max_scheduled_tokens=500 must be divisible by decoding.block_length=64"),
+    (["attention.cuda_graph_capture_bs=[1,16]"], "attention.cuda_graph_capture_bs=[1, 16]: each must be in [1, scheduler.max_num_seqs=8]"),
+    (["engine.kv_cache_layout=dense"], "scheduler.policy=paged needs engine.kv_cache_layout=paged"),
+    (["scheduler=dynamic", "engine.kv_cache_layout=dense"], "scheduler.policy=dynamic needs engine.kv_cache_layout=paged"),
+    (["attention=flashinfer"], "attention.backend=flashinfer needs a CUDA device but engine.device=cpu; use attention=sdpa"),
+    (["attention=fa4"], "attention.backend=fa4 needs a CUDA device"),
+    (["parallel.tp_size=0"], "parallel.tp_size=0 must be a positive integer"),
+    (["parallel.ep_size=-1"], "parallel.ep_size=-1 must be a positive integer"),
+    (["parallel.tp_size=2", "parallel.ep_size=4"], "parallel.ep_size=4 with parallel.tp_size=2"),
+    (["decoding.threshold=1.5"], "decoding.threshold=1.5 must be in [0, 1]"),
+    (["decoding.low_threshold=-0.1"], "decoding.low_threshold=-0.1 must be in [0, 1]"),
+    (["decoding.editing_threshold=2"], "decoding.editing_threshold=2.0 must be in [0, 1]"),
+    (["decoding.steps=65"], "decoding.steps=65 must be in [1, decoding.block_length=64]"),
+    (["decoding.decoder=levenshtein_joint"], "decoding.decoder='levenshtein_joint' is not implemented yet"),
+    (["engine.device=cuda"], "engine.device='cuda' but no CUDA device is visible"),
+    (["attention.use_decode_cuda_graph=true"], "attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", RULES, ids=[" ".join(o) for o, _ in RULES])
+def test_each_rule_names_its_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        valid(overrides)
+    assert message in str(err.value)
+
+
+def test_capture_sizes_are_filtered_with_a_note():
+    cfg, notes = valid(["attention.cuda_graph_capture_sizes=[0,64,100,128,4096]", "model.max_model_len=1024"])
+    assert list(cfg.attention.cuda_graph_capture_sizes) == [64, 128]
+    assert any("dropped [0, 100, 4096]" in n for n in notes)
+
+
+def test_dense_layout_runs_with_static_policy():
+    cfg, _ = valid(["scheduler=static", "engine.kv_cache_layout=dense"])
+    assert cfg.scheduler.policy == "static"
+
+
+def test_gloo_on_cpu_for_tensor_parallel():
+    cfg, notes = valid(["parallel=tp2_ep2"])
+    assert cfg.parallel.distributed_backend == "gloo" and any("gloo" in n for n in notes)
+
+
+def run_cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "fluxlab", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=PROJECT_ROOT)
+
+
+def test_help_is_fast_and_imports_no_torch():
+    code = ("import sys, time; t=time.time(); from fluxlab.__main__ import main; main(['--help']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('elapsed', time.time()-t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    for command in ("serve", "bench", "generate", "report", "checkpoint", "env"):
+        assert command in out.stdout
+    assert float(out.stdout.split("elapsed")[1]) < 1.0
+    started = time.time()
+    assert run_cli("--help").returncode == 0
+    assert time.time() - started < 3.0  # whole interpreter start included
+
+
+def test_serve_cfg_job_prints_resolved_config():
+    out = run_cli("serve", "--cfg", "job", "decoding.threshold=0.7")
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.decoding.threshold == 0.7 and cfg.server.port == 8000
+
+
+def test_serve_refuses_multirun():
+    out = run_cli("serve", "-m", "decoding.threshold=0.7,0.9")
+    assert out.returncode == 2 and "only for bench" in out.stderr
+
+
+def test_bad_config_exits_with_the_message():
+    out = run_cli("serve", "decoding.threshold=1.5")
+    assert out.returncode == 2 and "decoding.threshold=1.5 must be in [0, 1]" in out.stderr
+
+
+def test_multirun_composes_one_config_per_sweep_point(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fluxlab", "bench", "-m", "decoding.threshold=0.7,0.9",
+                          "bench.dry_run=true", f"hydra.sweep.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    assert out.returncode == 0, out.stderr
+    configs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert sorted(c["decoding"]["threshold"] for c in configs) == [0.7, 0.9]
+
+
+def test_sweep_group_sets_multirun_params():
+    cfg = compose("bench", ["sweep=threshold"])
+    from hydra.core.global_hydra import GlobalHydra  # noqa: F401  (compose leaves hydra node out)
+    text = (PROJECT_ROOT / "sweeps" / "threshold.yaml").read_text()
+    assert "MULTIRUN" in text and "decoding.threshold" in text
+    assert cfg.decoding.decoder == "threshold"
