@@ -1,0 +1,275 @@
+"""Checkpoint <-> model: official tensor names, stacked experts, random weights, special ids.
+
+`checkpoint_layout(config)` is the single list of official tensor names and shapes; loading a
+file, building random weights and writing a checkpoint (fluxlab/checkpoint.py) all go through it,
+so the three can never disagree on a name.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeModel
+from fluxlab.engine.presets import EOS_TOKEN_ID, MASK_TOKEN_ID, preset_config
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+# ---------------------------------------------------------------------------------------- layout
+
+class Slot:
+    """Where an official tensor lands in our model: parameter name + optional index into it."""
+
+    __slots__ = ("param", "index", "shape", "group")
+
+    def __init__(self, param: str, shape: tuple, group: str, index=None):
+        self.param, self.shape, self.group, self.index = param, tuple(shape), group, index
+
+
+def checkpoint_layout(c: LLaDA2MoeConfig) -> dict[str, Slot]:
+    """Official name -> Slot, in checkpoint order (embeddings, layer 0..L-1, final norm, lm_head)."""
+    H, D = c.hidden_size, c.head_dim
+    out: dict[str, Slot] = {"model.word_embeddings.weight": Slot("word_embeddings.weight", (c.vocab_size, H), "embed")}
+    for i in range(c.num_hidden_layers):
+        g, p, o = f"layer{i}", f"layers.{i}.", f"model.layers.{i}."
+
+        def add(name, shape, param=None, index=None):
+            out[o + name] = Slot(p + (param or name), shape, g, index)
+
+        add("input_layernorm.weight", (H,))
+        add("attention.query_key_value.weight", ((c.num_attention_heads + 2 * c.num_key_value_heads) * D, H))
+        if c.use_qk_norm:
+            add("attention.query_layernorm.weight", (D,))
+            add("attention.key_layernorm.weight", (D,))
+        add("attention.dense.weight", (H, c.num_attention_heads * D))
+        add("post_attention_layernorm.weight", (H,))
+        if not c.is_moe_layer(i):
+            add("mlp.gate_proj.weight", (c.intermediate_size, H))
+            add("mlp.up_proj.weight", (c.intermediate_size, H))
+            add("mlp.down_proj.weight", (H, c.intermediate_size))
+            continue
+        add("mlp.gate.weight", (c.num_experts, H))
+        add("mlp.gate.expert_bias", (c.num_experts,))
+        inter = c.moe_intermediate_size
+        for e in range(c.num_experts):
+            add(f"mlp.experts.{e}.gate_proj.weight", (inter, H), "mlp.experts.w_gate_up", (e, slice(0, inter)))
+            add(f"mlp.experts.{e}.up_proj.weight", (inter, H), "mlp.experts.w_gate_up", (e, slice(inter, 2 * inter)))
+            add(f"mlp.experts.{e}.down_proj.weight", (H, inter), "mlp.experts.w_down", (e,))
+        if c.num_shared_experts:
+            si = inter * c.num_shared_experts
+            add("mlp.shared_experts.gate_proj.weight", (si, H))
+            add("mlp.shared_experts.up_proj.weight", (si, H))
+            add("mlp.shared_experts.down_proj.weight", (H, si))
+    out["model.norm.weight"] = Slot("norm.weight", (H,), "head")
+    out["lm_head.weight"] = Slot("lm_head.weight", (c.vocab_size, H), "head")
+    return out
+
+
+class _Assigner:
+    """Copies official tensors into a model's (possibly stacked) parameters, checking every name."""
+
+    def __init__(self, model: LLaDA2MoeModel):
+        self.layout = checkpoint_layout(model.config)
+        self.params = dict(model.named_parameters())
+        self.seen: set[str] = set()
+
+    def __call__(self, name: str, tensor: torch.Tensor):
+        slot = self.layout.get(name)
+        if slot is None:
+            raise ValueError(f"unexpected tensor {name!r} (shape {tuple(tensor.shape)}) in checkpoint")
+        if tuple(tensor.shape) != slot.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {slot.shape}")
+        if name in self.seen:
+            raise ValueError(f"tensor {name!r} appears twice in checkpoint")
+        param = self.params[slot.param]
+        target = param.data if slot.index is None else param.data[slot.index]
+        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        self.seen.add(name)
+
+    def finish(self):
+        missing = [n for n in self.layout if n not in self.seen]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"checkpoint is missing tensor {missing[0]!r} with shape "
+                             f"{self.layout[missing[0]].shape}{more}")
+
+
+# ------------------------------------------------------------------------------------- loading
+
+def read_config(path) -> LLaDA2MoeConfig:
+    with open(Path(path) / "config.json") as f:
+        return LLaDA2MoeConfig.from_dict(json.load(f))
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights found in {path}")
+    return files
+
+
+def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True):
+    """config.json + safetensors (sharded or not, any float dtype on disk) -> (model, config).
+
+    Tensors are read one at a time and copied into pre-allocated (stacked) parameters, so no
+    second full copy of the weights is held. Missing, unexpected or wrong-shaped tensors raise a
+    ValueError naming the tensor.
+    """
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    path = Path(path)
+    config = read_config(path)
+    dtype = resolve_dtype(dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model = LLaDA2MoeModel(config, dtype=dtype, device=device).eval()
+    assign = _Assigner(model)
+    files = _safetensor_files(path)
+    with tqdm(total=len(assign.layout), desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    assign(name, f.get_tensor(name))
+                    bar.update(1)
+    assign.finish()
+    return model, config
+
+
+# -------------------------------------------------------------------------------- random weights
+
+def _seed_for(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
+
+
+def uniform_tensor(shape, std: float, seed: int, name: str, device=None) -> torch.Tensor:
+    """Zero-mean uniform values with the given std, fp32, bit-identical on every machine.
+
+    Integer draws from torch's mt19937 converted exactly to float, times a constant: no
+    SIMD-dependent transcendental math (torch's normal_ has AVX2 and scalar paths).
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    g = torch.Generator(device=device)
+    g.manual_seed(_seed_for(seed, name))
+    ints = torch.randint(-(2**23), 2**23, tuple(shape), generator=g, device=device, dtype=torch.int32)
+    return ints.to(torch.float32) * (std * math.sqrt(3.0) / 2**23)
+
+
+def _init_std(name: str, shape: tuple, c: LLaDA2MoeConfig, peaked: bool) -> float | None:
+    """std for a random tensor; None means "all ones" (norm weights)."""
+    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        return None
+    if name.endswith("expert_bias"):
+        return 0.05 if peaked else 0.0
+    if not peaked:
+        return 0.02
+    if name == "model.word_embeddings.weight":
+        return 1.0
+    if name == "lm_head.weight":
+        return PEAKED_LM_HEAD_STD
+    return 1.0 / math.sqrt(shape[-1])  # fan-in scaling keeps every projection O(1)
+
+
+# Tiny-model knobs (fluxlab/checkpoint.py): sharp logits so threshold 0.9 accepts several tokens a
+# step, an EOS row boosted so sequences end sometimes, a small mask embedding so masked positions
+# are driven by their context (attention) rather than all looking alike.
+PEAKED_LM_HEAD_STD = 0.25
+PEAKED_EOS_GAIN = 1.25
+PEAKED_MASK_GAIN = 0.05
+
+
+def random_tensors(c: LLaDA2MoeConfig, seed: int = 0, *, peaked: bool = False, special_ids: dict | None = None,
+                   groups=None, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (official name, fp32 tensor) for every tensor of `c`, optionally only some groups
+    ("embed", "layer{i}", "head"), each generated independently from (seed, name)."""
+    special_ids = special_ids or {}
+    for name, slot in checkpoint_layout(c).items():
+        if groups is not None and slot.group not in groups:
+            continue
+        std = _init_std(name, slot.shape, c, peaked)
+        if std is None:
+            t = torch.ones(slot.shape, dtype=torch.float32, device=device)
+        elif std == 0.0:
+            t = torch.zeros(slot.shape, dtype=torch.float32, device=device)
+        else:
+            t = uniform_tensor(slot.shape, std, seed, name, device)
+        if peaked and name == "model.word_embeddings.weight" and "mask" in special_ids:
+            t[special_ids["mask"]] *= PEAKED_MASK_GAIN
+        if peaked and name == "lm_head.weight" and "eos" in special_ids:
+            t[special_ids["eos"]] *= PEAKED_EOS_GAIN
+        yield name, t
+
+
+def _as_config(preset_or_config) -> LLaDA2MoeConfig:
+    if isinstance(preset_or_config, LLaDA2MoeConfig):
+        return preset_or_config
+    if isinstance(preset_or_config, dict):
+        return LLaDA2MoeConfig.from_dict(preset_or_config)
+    d = preset_config(preset_or_config)
+    if d.get("vocab_size") is None:  # tiny: vocab set by its tokenizer; use a stand-in size
+        d["vocab_size"], d["pad_token_id"] = 2048, 0
+    return LLaDA2MoeConfig.from_dict(d)
+
+
+def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed: int = 0, peaked: bool = False,
+                       special_ids: dict | None = None):
+    """Random weights of a preset (name, config dict or LLaDA2MoeConfig) built directly on
+    `device`, no file: std 0.02 projections and unit norms by default. -> (model, config)."""
+    config = _as_config(preset_or_config)
+    dtype = resolve_dtype(dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model = LLaDA2MoeModel(config, dtype=dtype, device=device).eval()
+    assign = _Assigner(model)
+    for name, t in random_tensors(config, seed, peaked=peaked, special_ids=special_ids, device=device):
+        assign(name, t)
+    assign.finish()
+    return model, config
+
+
+# ------------------------------------------------------------------------------ special token ids
+
+def special_token_ids(path) -> tuple[int, int, int]:
+    """(mask_id, eos_id, pad_id) from the checkpoint's tokenizer; falls back to the released
+    LLaDA2 ids (mask 156895, eos 156892) and config.json's pad_token_id."""
+    path = Path(path)
+    mask_id = eos_id = pad_id = None
+    if path.is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+            mask_id, eos_id, pad_id = tok.mask_token_id, tok.eos_token_id, tok.pad_token_id
+            if mask_id is None:
+                mask_id = tok.convert_tokens_to_ids("<|mask|>")
+                mask_id = None if mask_id == tok.unk_token_id else mask_id
+        except Exception:
+            mask_id = eos_id = pad_id = None
+        if pad_id is None and (path / "config.json").exists():
+            with open(path / "config.json") as f:
+                pad_id = json.load(f).get("pad_token_id")
+    mask_id = MASK_TOKEN_ID if mask_id is None else int(mask_id)
+    eos_id = EOS_TOKEN_ID if eos_id is None else int(eos_id)
+    pad_id = eos_id if pad_id is None else int(pad_id)
+    return mask_id, eos_id, pad_id

@@ -1,0 +1,195 @@
+"""LLaDA2-MoE (`model_type: llada2_moe`, BailingMoeV2 run without a causal mask), written for the engine.
+
+The model sees flattened tokens of a whole batch, their absolute positions, and an attention
+backend `attn` with `attn.forward(layer_idx, q, k, v)`. It never sees requests, caches or masks.
+Module names mirror the checkpoint (minus the leading `model.`), except routed experts, which are
+stacked per layer (see layers/moe.py and engine/loader.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fluxlab.engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fluxlab.engine.layers.moe import MoEGate, StackedExperts
+from fluxlab.engine.layers.norm import RMSNorm, rms_norm
+from fluxlab.engine.layers.rotary import PartialRotary
+
+
+@dataclass
+class LLaDA2MoeConfig:
+    vocab_size: int = 157184
+    hidden_size: int = 2048
+    intermediate_size: int = 5120
+    moe_intermediate_size: int = 512
+    num_hidden_layers: int = 20
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int | None = 128
+    num_experts: int = 256
+    num_shared_experts: int | None = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    first_k_dense_replace: int = 1
+    rope_theta: float = 600000.0
+    partial_rotary_factor: float = 0.5
+    rms_norm_eps: float = 1e-6
+    use_qk_norm: bool = True
+    max_position_embeddings: int = 32768
+    pad_token_id: int = 156892
+    hidden_act: str = "silu"
+    norm_topk_prob: bool = True
+    score_function: str = "sigmoid"
+    tie_word_embeddings: bool = False
+    use_qkv_bias: bool = False
+    use_bias: bool = False
+    model_type: str = "llada2_moe"
+    extra: dict = field(default_factory=dict, repr=False)  # unknown config.json keys, kept verbatim
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts and self.num_experts % self.n_group:
+            raise ValueError("num_experts must be a multiple of n_group")
+        if self.topk_group > self.n_group:
+            raise ValueError("topk_group must be <= n_group")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} unsupported (only silu)")
+        if self.score_function != "sigmoid":
+            raise ValueError(f"score_function {self.score_function!r} unsupported (only sigmoid)")
+        if self.use_qkv_bias or self.use_bias:
+            raise ValueError("biased projections are not supported (LLaDA2 has none)")
+        if self.tie_word_embeddings:
+            raise ValueError("tied embeddings are not supported (LLaDA2 has an untied lm_head)")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.num_experts) and i >= self.first_k_dense_replace
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LLaDA2MoeConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names}
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class LLaDA2MoeMLP(nn.Module):
+    """SwiGLU MLP: the dense layers and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype=None, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LLaDA2MoeSparseMoeBlock(nn.Module):
+    def __init__(self, config: LLaDA2MoeConfig, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.gate = MoEGate(c.hidden_size, c.num_experts, top_k=c.num_experts_per_tok, n_group=c.n_group,
+                            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+                            dtype=dtype, device=device)
+        self.experts = StackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype, device)
+        self.shared_experts = (LLaDA2MoeMLP(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts,
+                                            dtype, device) if c.num_shared_experts else None)
+
+    def forward(self, x):
+        topk_idx, topk_weight = self.gate(x)
+        y = self.experts(x, topk_idx, topk_weight)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class LLaDA2MoeAttention(nn.Module):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, rotary: PartialRotary, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.query_key_value = QKVParallelLinear(c.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                                                 dtype=dtype, device=device)
+        self.use_qk_norm = c.use_qk_norm
+        if c.use_qk_norm:
+            self.query_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device)
+            self.key_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device)
+        self.dense = RowParallelLinear(self.num_heads * self.head_dim, c.hidden_size, dtype=dtype, device=device)
+        self.rotary = [rotary]  # shared module, kept out of this module's state_dict
+
+    def forward(self, x, positions, attn):
+        T = x.shape[0]
+        qkv = self.query_key_value(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.use_qk_norm:  # per-head norm before RoPE, as published
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q, k = self.rotary[0](positions, q, k)
+        o = attn.forward(self.layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
+        return self.dense(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class LLaDA2MoeDecoderLayer(nn.Module):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, rotary, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.attention = LLaDA2MoeAttention(c, layer_idx, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = (LLaDA2MoeSparseMoeBlock(c, dtype, device) if c.is_moe_layer(layer_idx)
+                    else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device))
+
+    def forward(self, x, positions, attn):
+        x = x + self.attention(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LLaDA2MoeModel(nn.Module):
+    def __init__(self, config: LLaDA2MoeConfig, dtype=torch.bfloat16, device=None):
+        super().__init__()
+        c = self.config = config
+        self.dtype = dtype
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device,
+                                            _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
+        self.word_embeddings.weight.requires_grad_(False)
+        self.rotary_emb = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta,
+                                        min(c.max_position_embeddings, 8192)).to(device)
+        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, self.rotary_emb, dtype, device)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """input_ids/positions [T] (flattened batch) -> hidden [T, hidden] before the final norm."""
+        x = self.word_embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attn)
+        return x
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm + lm_head; logits in fp32. Each position predicts its own token (no shift)."""
+        h = rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return F.linear(h, self.lm_head.weight).float()
