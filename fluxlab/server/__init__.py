@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: async engine loop, FastAPI app, metrics, launcher (DESIGN §9)."""

@@ -1,0 +1,376 @@
+"""The OpenAI-compatible FastAPI app around an AsyncEngine (DESIGN §9).
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /server_info,
+/get_load. Streaming sends one SSE chunk per committed block.
+
+fluxlab extensions, all optional:
+- body fields overriding the decoding keys for one request: decoder, threshold, editing_threshold,
+  low_threshold, steps, max_post_steps, top_k, ignore_eos (temperature, top_p, seed, stop as in OpenAI);
+- `return_token_ids: true` adds `token_ids` (output ids) to each choice;
+- `usage.fluxlab` = {forwards, tokens_per_forward, blocks, preemptions}: `forwards` counts the
+  model forwards that computed this request's blocks, the number a decoding knob (threshold,
+  steps) moves. With the openai client: `response.usage.model_extra["fluxlab"]["forwards"]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from omegaconf import DictConfig, OmegaConf
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fluxlab.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from fluxlab.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from fluxlab.server.metrics import ServerMetrics
+from fluxlab.server.protocol import ChatCompletionRequest, CompletionRequest, ServerError, error_body
+
+log = logging.getLogger("fluxlab.server")
+
+# How often a handler waiting on the engine checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+# Ling-2.0 chat format, for tokenizers that ship without a chat_template (DESIGN §4).
+_LING_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT", "tool": "OBSERVATION"}
+
+
+def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, on shutdown, aborts what is in flight."""
+    served_name: str = cfg.server.served_model_name or cfg.model.name
+    model_names = {served_name, cfg.model.name} | ({cfg.model.path} if cfg.model.path else set())
+    api_key: Optional[str] = cfg.server.api_key
+    metrics = ServerMetrics(async_engine, served_name)
+    tokenizer = async_engine.tokenizer
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    app = FastAPI(title="fluxlab", lifespan=lifespan)
+    app.state.async_engine, app.state.metrics = async_engine, metrics
+
+    # ------------------------------------------------------------------ errors (OpenAI shape)
+
+    @app.exception_handler(ServerError)
+    async def _server_error(request: Request, err: ServerError) -> JSONResponse:
+        return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(err)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(err.detail), kind), status_code=err.status_code)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        # Only the API is guarded: the router and Prometheus probe /health and /metrics without keys.
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)",
+                                               "invalid_request_error", None, "invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_model(model: Optional[str]) -> None:
+        if model is not None and model not in model_names:
+            raise ServerError(404, f"the model {model!r} does not exist; this server serves {served_name!r}",
+                              param="model", code="model_not_found")
+
+    async def submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        try:
+            return await async_engine.add(request_id, prompt_ids, params)
+        except InvalidRequest as err:
+            raise ServerError(400, str(err), param=err.param)
+        except Overloaded as err:
+            raise ServerError(503, str(err), type="server_error", code="overloaded")
+        except EngineDead as err:
+            raise ServerError(503, str(err), type="server_error", code="engine_unavailable")
+
+    async def next_output(out_queue: asyncio.Queue, request: Request) -> Optional[RequestOutput | BaseException]:
+        """The next output, or None once the client has gone away."""
+        while True:
+            try:
+                return await asyncio.wait_for(out_queue.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+
+    async def run(request_id: str, prompt_ids: list[int], params: SamplingParams, body: Any, request: Request,
+                  make_chunk, make_response) -> Response:
+        """Common path of both endpoints. The request is queued first, so a rejected one is a plain
+        JSON error even when it asked for a stream."""
+        arrival = time.perf_counter()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        out_queue = await submit(request_id, prompt_ids, params)
+
+        def finish(last: RequestOutput, first_time: float) -> dict:
+            metrics.observe_finished(first_time - arrival, time.perf_counter() - arrival,
+                                     last.stats.tokens_per_forward, last.finish_reason or "abort", len(prompt_ids))
+            return _usage(len(prompt_ids), last)
+
+        async def stream() -> AsyncIterator[str]:
+            detok, first_time, done = _Detokenizer(tokenizer), None, False
+            try:
+                first = make_chunk(None, None, None, include_usage, first=True)
+                if first is not None:
+                    yield _sse(first)
+                while True:
+                    item = await next_output(out_queue, request)
+                    if item is None:
+                        return  # client gone: `finally` aborts
+                    if isinstance(item, BaseException):
+                        done = True
+                        yield _sse(error_body(str(item), "server_error", None, "engine_error"))
+                        break
+                    first_time = first_time or time.perf_counter()
+                    delta = detok.delta(item)
+                    if delta or item.finished:
+                        ids = item.new_token_ids if body.return_token_ids else None
+                        yield _sse(make_chunk(delta, item.finish_reason, ids, include_usage))
+                    if item.finished:
+                        done = True
+                        usage = finish(item, first_time)
+                        if include_usage:
+                            yield _sse(make_chunk(None, None, None, include_usage, usage=usage))
+                        break
+                yield "data: [DONE]\n\n"
+            finally:
+                if not done:
+                    async_engine.abort(request_id)
+
+        if body.stream:
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        first_time, done = None, False
+        try:
+            while True:
+                item = await next_output(out_queue, request)
+                if item is None:
+                    return Response(status_code=499)  # nobody reads it; `finally` aborts
+                if isinstance(item, BaseException):
+                    done = True
+                    raise ServerError(500, str(item), type="server_error", code="engine_error")
+                first_time = first_time or time.perf_counter()
+                if item.finished:
+                    done = True
+                    usage = finish(item, first_time)
+                    text = _Detokenizer(tokenizer).delta(item)
+                    return JSONResponse(make_response(text, item, usage))
+        finally:
+            if not done:  # also when this handler is cancelled
+                async_engine.abort(request_id)
+
+    # ------------------------------------------------------------------ OpenAI endpoints
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompt_ids = _prompt_ids(tokenizer, body.prompt)
+        params = body.sampling_params(body.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+
+        def chunk(text, finish_reason, ids, include_usage, first=False, usage=None) -> Optional[dict]:
+            if first:
+                return None  # completions have no role chunk
+            choices = [] if usage is not None else [_choice({"text": text or "", "logprobs": None}, finish_reason, ids)]
+            out = {"id": request_id, "object": "text_completion", "created": now, "model": served_name,
+                   "choices": choices}
+            if include_usage:
+                out["usage"] = usage
+            return out
+
+        def response(text: str, last: RequestOutput, usage: dict) -> dict:
+            ids = last.token_ids if body.return_token_ids else None
+            return {"id": request_id, "object": "text_completion", "created": now, "model": served_name,
+                    "choices": [_choice({"text": text, "logprobs": None}, last.finish_reason, ids)],
+                    "usage": usage}
+
+        return await run(request_id, prompt_ids, params, body, request, chunk, response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        prompt_ids = _chat_prompt_ids(tokenizer, body)
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+
+        def chunk(text, finish_reason, ids, include_usage, first=False, usage=None) -> dict:
+            if usage is not None:
+                choices = []
+            elif first:  # OpenAI's first chunk carries the role and no content
+                choices = [_choice({"delta": {"role": "assistant", "content": ""}, "logprobs": None}, None, None)]
+            else:
+                choices = [_choice({"delta": {"content": text or ""}, "logprobs": None}, finish_reason, ids)]
+            out = {"id": request_id, "object": "chat.completion.chunk", "created": now, "model": served_name,
+                   "choices": choices}
+            if include_usage:
+                out["usage"] = usage
+            return out
+
+        def response(text: str, last: RequestOutput, usage: dict) -> dict:
+            ids = last.token_ids if body.return_token_ids else None
+            message = {"role": "assistant", "content": text}
+            return {"id": request_id, "object": "chat.completion", "created": now, "model": served_name,
+                    "choices": [_choice({"message": message, "logprobs": None}, last.finish_reason, ids)],
+                    "usage": usage}
+
+        return await run(request_id, prompt_ids, params, body, request, chunk, response)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": served_name, "object": "model", "created": created, "owned_by": "fluxlab",
+            "root": cfg.model.path or cfg.model.name, "max_model_len": async_engine.max_model_len}]}
+
+    # ------------------------------------------------------------------ operations
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "error": async_engine.error}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/get_load")
+    async def get_load() -> dict:
+        snap = async_engine.snapshot
+        waiting = async_engine.num_waiting
+        # `load` is what sglang-router's power_of_two policy compares; the rest is for people.
+        return {"load": snap.num_running + waiting, "num_reqs": snap.num_running + waiting,
+                "num_running_reqs": snap.num_running, "num_waiting_reqs": waiting,
+                "kv_free_pages": snap.kv_free_pages, "kv_total_pages": snap.kv_total_pages,
+                "total_forwards": snap.total_forwards, "total_generated_tokens": snap.total_generated_tokens}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        config = OmegaConf.to_container(cfg, resolve=True)
+        if config.get("server", {}).get("api_key"):
+            config["server"]["api_key"] = "***"  # the resolved config is public; the key is not
+        return {"served_model_name": served_name, "max_model_len": async_engine.max_model_len,
+                "kv_total_pages": async_engine.snapshot.kv_total_pages, "config": config}
+
+    return app
+
+
+# ---------------------------------------------------------------------- tokenization
+
+def _check_text(text: str, param: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ServerError(400, f"{param} is not valid UTF-8 (lone surrogate)", param=param)
+    return text
+
+
+def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    if isinstance(prompt, str):
+        # Special tokens are parsed (a pre-templated prompt keeps its role markers); a literal
+        # `<|mask|>` becomes a prompt token, which the engine never decodes over (prompt is fixed).
+        ids = tokenizer.encode(_check_text(prompt, "prompt"))
+    else:
+        vocab = len(tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ServerError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab})", param="prompt")
+        ids = list(prompt)
+    if not ids:
+        raise ServerError(400, "prompt is empty", param="prompt")
+    return ids
+
+
+def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": _check_text(m.text(), "messages")} for m in body.messages]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # noqa: BLE001 - a template refusing these messages is a client error
+            raise ServerError(400, f"the chat template rejected these messages: {err}", param="messages")
+    else:
+        text = "".join(f"<role>{_LING_ROLES[m['role']]}</role>{m['content']}<|role_end|>" for m in messages)
+        text += "<role>ASSISTANT</role>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ServerError(400, "messages give an empty prompt", param="messages")
+    return ids
+
+
+class _Detokenizer:
+    """Text deltas for streaming: decode everything so far, hold back an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.sent = tokenizer, ""
+
+    def delta(self, output: RequestOutput) -> str:
+        if output.finished and output.text is not None:
+            full = output.text  # the engine's own cut (stop strings)
+        else:
+            full = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            if not output.finished:
+                full = full.rstrip("\ufffd")  # a byte-level BPE token split a character across blocks
+        if full.startswith(self.sent):
+            delta = full[len(self.sent):]
+        else:  # cannot happen with prefix-stable decoding; send the unseen tail
+            common = 0
+            while common < min(len(full), len(self.sent)) and full[common] == self.sent[common]:
+                common += 1
+            delta = full[common:]
+        self.sent = full
+        return delta
+
+
+# ---------------------------------------------------------------------- response pieces
+
+def _usage(prompt_tokens: int, last: RequestOutput) -> dict:
+    stats = last.stats
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(last.token_ids),
+            "total_tokens": prompt_tokens + len(last.token_ids),
+            "fluxlab": {"forwards": stats.forwards, "tokens_per_forward": round(stats.tokens_per_forward, 4),
+                        "blocks": stats.blocks_committed, "preemptions": stats.preemptions}}
+
+
+def _choice(fields: dict, finish_reason: Optional[str], token_ids: Optional[list[int]]) -> dict:
+    choice = {"index": 0, **fields, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _describe_validation(err: RequestValidationError) -> tuple[str, Optional[str]]:
+    """First pydantic error as `param: message`, param being the body field it is about."""
+    errors = err.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid" or first.get("type") == "model_attributes_type":
+        return f"the body is not a valid JSON object: {first.get('msg')}", None
+    if first.get("type") == "missing" and not loc:
+        return "the request needs a JSON body", None
+    param = loc[0] if loc else None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = ".".join(loc)
+    return (f"{where}: {msg}" if where and not msg.startswith(where) else msg), param

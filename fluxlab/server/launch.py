@@ -1,0 +1,290 @@
+"""`serve(cfg)`: one engine behind uvicorn, or (dp_size > 1) replicas behind sglang-router.
+
+Both modes print exactly one line `fluxlab ready: http://HOST:PORT` on stdout once the socket
+answers, and exit 0 on SIGINT/SIGTERM after stopping everything they started.
+
+Data parallel (DESIGN §7): each replica is `python -m fluxlab serve <the same overrides>
+parallel.dp_size=1 server.port=0` on 127.0.0.1, pinned to its own tp_size GPUs on CUDA. Port 0
+lets the OS pick a free port with no race; the worker's ready line says which. Once every worker
+answers /health, sglang-router fronts them (plus server.worker_urls, replicas on other hosts).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("fluxlab.server")
+
+READY_PREFIX = "fluxlab ready: "
+_STOP_GRACE_S = 15.0
+
+
+def serve(cfg: DictConfig) -> None:
+    """Serve until SIGINT/SIGTERM; exits non-zero when a replica or the router dies."""
+    if cfg.parallel.dp_size > 1 or cfg.server.worker_urls:
+        code = _serve_router(cfg)
+        if code:
+            sys.exit(code)
+        return
+    _serve_single(cfg)
+
+
+def _announce(host: str, port: int) -> None:
+    print(f"{READY_PREFIX}http://{host}:{port}", flush=True)
+
+
+# -------------------------------------------------------------------------------- one engine
+
+def _serve_single(cfg: DictConfig) -> None:
+    import uvicorn
+
+    from fluxlab.server.app import build_app
+    from fluxlab.server.async_engine import AsyncEngine
+
+    engine = _build_engine(cfg)
+    async_engine = AsyncEngine(engine, cfg.server.max_waiting_requests)
+    app = build_app(cfg, async_engine)
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
+                            access_log=cfg.server.log_level == "debug", timeout_graceful_shutdown=10)
+    server = _Server(config, on_exit=async_engine.abort_all)
+    asyncio.run(_run_uvicorn(server, cfg.server.host))
+
+
+def _build_engine(cfg: DictConfig) -> Any:
+    # TEMPORARY: FLUXLAB_SERVER_FAKE_ENGINE=module:Class until fluxlab.engine.llm_engine lands.
+    fake = os.environ.get("FLUXLAB_SERVER_FAKE_ENGINE")
+    if fake:
+        import importlib
+
+        module, _, name = fake.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg)
+    from fluxlab.engine.llm_engine import LLMEngine
+
+    return LLMEngine(cfg)
+
+
+class _Server:
+    """uvicorn.Server whose signal handler also aborts in-flight requests and does not re-raise
+    the signal after shutdown (uvicorn re-raises it, which would make the exit code -15, not 0)."""
+
+    def __new__(cls, config: Any, on_exit: Callable[[], None]):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                    return
+                self.should_exit = True
+                on_exit()  # streams end with finish_reason "abort"; their pages are freed now
+
+        return Server(config)
+
+
+async def _run_uvicorn(server: Any, host: str) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        port = server.servers[0].sockets[0].getsockname()[1]  # the real one when server.port=0
+        _announce(host, port)
+    await task
+
+
+# -------------------------------------------------------------------------------- replicas + router
+
+class _Child:
+    """A child process whose merged stdout/stderr we forward to our stderr with a prefix."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        self.name = name
+        self.ready_url: queue.Queue = queue.Queue()
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, bufsize=1)
+        threading.Thread(target=self._forward, daemon=True).start()
+
+    def _forward(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(READY_PREFIX):
+                self.ready_url.put(line[len(READY_PREFIX):].strip())
+            sys.stderr.write(f"[{self.name}] {line}")
+            sys.stderr.flush()
+
+    def died(self) -> Optional[int]:
+        return self.proc.poll()
+
+
+def _serve_router(cfg: DictConfig) -> int:
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    children: list[_Child] = []
+    try:
+        base = _worker_overrides(cfg)
+        gpu_sets = _gpu_sets(cfg)
+        for i in range(cfg.parallel.dp_size):
+            env = dict(os.environ)
+            if gpu_sets is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpu_sets[i]
+            else:  # replicas on CPU share the cores instead of each oversubscribing all of them
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.dp_size)))
+            argv = [sys.executable, "-m", "fluxlab", "serve", *base, *_run_dir_override(i)]
+            children.append(_Child(f"dp{i}", argv, env))
+            log.info("started replica dp%d (pid %d)", i, children[-1].proc.pid)
+        urls = []
+        for i, child in enumerate(children):
+            url = _wait_worker(child, cfg.server.health_timeout_s, stopping)
+            if url is None:
+                return 0 if stopping.is_set() else 1
+            print(f"fluxlab: replica dp{i} ready at {url} (pid {child.proc.pid})", file=sys.stderr, flush=True)
+            urls.append(url)
+        urls += list(cfg.server.worker_urls)
+
+        port = cfg.server.port or _free_port()
+        router_argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+                       "--policy", cfg.server.router_policy, "--host", cfg.server.host, "--port", str(port),
+                       "--log-level", "warn" if cfg.server.log_level not in ("debug", "info") else "info"]
+        children.append(_Child("router", router_argv, dict(os.environ)))
+        router_url = f"http://{_connect_host(cfg.server.host)}:{port}"
+        if not _wait_healthy(children[-1], router_url, cfg.server.health_timeout_s, stopping):
+            return 0 if stopping.is_set() else 1
+        _announce(cfg.server.host, port)
+
+        while not stopping.wait(0.5):
+            for child in children:
+                code = child.died()
+                if code is not None:
+                    print(f"fluxlab serve: {child.name} (pid {child.proc.pid}) exited with code {code}; "
+                          "stopping the router and every replica", file=sys.stderr, flush=True)
+                    return 1
+        return 0
+    finally:
+        _stop_all(children)
+
+
+def _wait_worker(child: _Child, timeout_s: float, stopping: threading.Event) -> Optional[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stopping.is_set():
+        try:
+            url = child.ready_url.get(timeout=0.2)
+        except queue.Empty:
+            if child.died() is not None:
+                print(f"fluxlab serve: replica {child.name} exited with code {child.died()} before it was ready; "
+                      "see its log above", file=sys.stderr, flush=True)
+                return None
+            continue
+        return url if _wait_healthy(child, url, deadline - time.monotonic(), stopping) else None
+    if not stopping.is_set():
+        print(f"fluxlab serve: replica {child.name} not ready within server.health_timeout_s={timeout_s}",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def _wait_healthy(child: _Child, url: str, timeout_s: float, stopping: threading.Event) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stopping.is_set():
+        if child.died() is not None:
+            print(f"fluxlab serve: {child.name} exited with code {child.died()} before answering {url}/health",
+                  file=sys.stderr, flush=True)
+            return False
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    if not stopping.is_set():
+        print(f"fluxlab serve: {child.name} at {url} not healthy within {timeout_s:.0f}s", file=sys.stderr, flush=True)
+    return False
+
+
+def _stop_all(children: list[_Child]) -> None:
+    # Router first, so nothing new reaches a replica that is shutting down.
+    for child in reversed(children):
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for child in reversed(children):
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def _worker_overrides(cfg: DictConfig) -> list[str]:
+    """The command line's overrides, minus what differs per replica, plus the replica's own."""
+    owned = ("server.port", "server.host", "server.worker_urls", "parallel.dp_size", "hydra.run.dir")
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under @hydra.main (called from Python): pin every resolved key instead
+        given = _flatten(cfg)
+    kept = [o for o in given if o.lstrip("+~").split("=", 1)[0] not in owned]
+    return kept + ["parallel.dp_size=1", "server.port=0", "server.host=127.0.0.1", "server.worker_urls=[]"]
+
+
+def _run_dir_override(index: int) -> list[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [f"hydra.run.dir={HydraConfig.get().runtime.output_dir}/dp{index}"]
+    except ValueError:
+        return []
+
+
+def _flatten(cfg: DictConfig) -> list[str]:
+    import json
+
+    out = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out.append(f"{prefix}{key}={json.dumps(value)}")
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _gpu_sets(cfg: DictConfig) -> Optional[list[str]]:
+    """CUDA_VISIBLE_DEVICES per replica: tp_size consecutive visible GPUs each; None on CPU."""
+    if not str(cfg.engine.device).startswith("cuda"):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        import torch
+
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    per, dp = cfg.parallel.tp_size, cfg.parallel.dp_size
+    if per * dp > len(gpus):
+        raise SystemExit(f"parallel.dp_size={dp} x parallel.tp_size={per} needs {per * dp} GPUs; {len(gpus)} visible")
+    return [",".join(gpus[i * per:(i + 1) * per]) for i in range(dp)]
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
