@@ -1,0 +1,272 @@
+"""The engine loop: schedule -> run -> decode -> postprocess, one forward per `step()`.
+
+Not thread-safe: the server drives it from one thread (fluxlab/server/async_engine.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+
+from fluxlab.engine.block_manager import BlockManager
+from fluxlab.engine.decoding import advance, decode_step
+from fluxlab.engine.layers.attention import KVCache
+from fluxlab.engine.model_runner import ModelRunner
+from fluxlab.engine.request import (InvalidRequest, RequestOutput, RequestState, SamplingParams,
+                                    next_request_id)
+from fluxlab.engine.scheduler import Scheduler
+from fluxlab.engine.sequence import Request
+
+log = logging.getLogger("fluxlab.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(model_cfg: DictConfig) -> Optional[Path]:
+    """The checkpoint folder to read config/tokenizer (and weights) from; None for random weights
+    of a real preset whose files are not on this machine."""
+    from fluxlab.checkpoint import ensure_tiny_checkpoint
+
+    if model_cfg.path is None:
+        if model_cfg.preset == "tiny":
+            return ensure_tiny_checkpoint()
+        if model_cfg.load_format == "random":
+            return None
+        raise ValueError(f"model.path is not set for model={model_cfg.name}")
+    path = Path(model_cfg.path).expanduser()
+    if path.is_dir():
+        return path
+    if model_cfg.load_format == "random":
+        return None
+    raise ValueError(f"model.path={model_cfg.path!r} is not a local directory. fluxlab does not download "
+                     "weights: download them and set model.path=DIR, or use model.load_format=random "
+                     "(random weights of the preset's shapes) for speed work")
+
+
+def load_tokenizer(model_dir: Optional[Path]):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from fluxlab.checkpoint import ensure_tiny_checkpoint
+
+    # Random real-preset weights have no tokenizer of their own: the tiny one's ids are all in range.
+    source = model_dir if model_dir is not None else ensure_tiny_checkpoint()
+    # The tokenizer needs no remote code; config.json's auto_map (for the model class) would prompt.
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=False)
+
+
+class LLMEngine:
+    def __init__(self, cfg: DictConfig):
+        from fluxlab.engine.loader import build_random_model, load_model, special_token_ids
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.engine.device)
+        self.dtype = DTYPES[cfg.engine.dtype]
+        torch.manual_seed(cfg.engine.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            free_at_start, _ = torch.cuda.mem_get_info(self.device)
+        model_dir = resolve_model_dir(cfg.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        if cfg.model.load_format == "random":
+            self.model, self.model_config = build_random_model(cfg.model.preset, self.dtype, self.device,
+                                                               seed=cfg.engine.seed)
+        else:
+            self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
+        self.mask_id, self.eos_id, _ = special_token_ids(model_dir) if model_dir else special_token_ids("")
+        self.block_length = cfg.decoding.block_length
+        self.max_model_len = cfg.model.max_model_len
+        max_pages_useful = cfg.scheduler.max_num_seqs * (self.max_model_len // self.block_length)
+        if cfg.scheduler.num_device_pages > 0:
+            num_pages = cfg.scheduler.num_device_pages
+        elif self.device.type == "cuda":
+            num_pages = min(self._profile_num_pages(free_at_start), max_pages_useful)
+        else:
+            page_bytes = self._page_bytes()
+            num_pages = min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // page_bytes, max_pages_useful)
+        layout = cfg.engine.kv_cache_layout
+        self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length)
+        self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
+                                   cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager)
+        self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
+                                  self.dtype, cfg.attention.backend)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
+        self.total_forwards = 0
+        self.total_generated_tokens = 0
+        log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s",
+                 cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
+                 cfg.scheduler.policy, cfg.attention.backend)
+
+    # --- memory ---
+    def _page_bytes(self) -> int:
+        c = self.model_config
+        kv_heads = getattr(self.model, "num_local_kv_heads", c.num_key_value_heads)
+        return KVCache.bytes_per_page(c.num_hidden_layers, self.block_length, kv_heads, c.head_dim, self.dtype)
+
+    def _profile_num_pages(self, free_at_start: int) -> int:
+        """Pages that fit in (gpu_memory_utilization - safety reserve) of the card after the weights
+        and a warm-up forward at the largest batch (max_scheduled_tokens of single-block rows)."""
+        from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+
+        eng = self.cfg.engine
+        bl = self.block_length
+        rows = self.cfg.scheduler.max_scheduled_tokens // bl
+        probe = ModelRunner(self.model, rows, bl, self.device, self.dtype, self.cfg.attention.backend)
+        fake = []
+        for r in range(rows):
+            request = Request(f"warmup-{r}", [0] * bl, SamplingParams(max_new_tokens=1, steps=1), bl, 0, 0)
+            request.page_table = [r]
+            fake.append(ScheduledRow(request, 0, 1, decodes=r < self.cfg.scheduler.max_num_seqs))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe.run(ScheduledBatch(fake, bl))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - probe.cache.k.nbytes - probe.cache.v.nbytes
+        del probe
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free_at_start
+        budget = total * (eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve) - used_by_others - peak
+        pages = int(budget // self._page_bytes())
+        if pages < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache: weights + activations take {peak / 2**30:.1f} GiB "
+                               f"of a {eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve:.2f} share; raise "
+                               "engine.gpu_memory_utilization or lower scheduler.max_scheduled_tokens")
+        log.info("KV profile: peak %.2f GiB with weights, budget %.2f GiB -> %d pages", peak / 2**30,
+                 budget / 2**30, pages)
+        return pages
+
+    # --- requests ---
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def kv_free_pages(self) -> int:
+        return self.block_manager.num_free_pages
+
+    @property
+    def kv_total_pages(self) -> int:
+        return self.block_manager.num_pages
+
+    def add_request(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        """Queue a request; bad input raises InvalidRequest and leaves the engine untouched."""
+        params = (params or SamplingParams()).resolve(self.cfg.decoding, self.cfg.model.max_new_tokens,
+                                                      self.cfg.engine.seed)
+        vocab = self.model_config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
+                                 f"max_model_len={self.max_model_len}", "max_tokens")
+        request_id = request_id or next_request_id()
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_id)
+        if not self.block_manager.can_hold(request):
+            raise InvalidRequest(f"the request needs {request.num_blocks} KV pages; the cache holds "
+                                 f"{self.block_manager.num_pages}", "max_tokens")
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.remove(request)
+        request.state = RequestState.ABORTED
+        request.finish_reason = "abort"
+        request.stats.finish_time = time.perf_counter()
+        self._pending.append(self._output(request, finished=True))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # --- the loop ---
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        batch = self.scheduler.schedule()
+        if not batch.rows:
+            return outputs
+        logits = self.runner.run(batch)
+        self.total_forwards += 1
+        decode_rows = batch.decode_rows
+        results = decode_step([r.request for r in decode_rows], logits, self.mask_id) if decode_rows else []
+        for row in batch.rows:
+            row.request.num_cached_blocks = row.first_block + row.num_commit_blocks
+            row.request.state = RequestState.DECODING if row.decodes else RequestState.PREFILLING
+        for row, result in zip(decode_rows, results):
+            request = row.request
+            if not advance(request, result):
+                continue
+            request.finish_active_block()
+            if request.params.stop and request.finish_reason in (None, "length"):
+                self._apply_stop_strings(request)
+            if request.stats.first_token_time is None:
+                request.stats.first_token_time = time.perf_counter()
+            if request.finish_reason is not None:
+                self._finish(request)
+                outputs.append(self._output(request, finished=True))
+            elif len(request.output_ids) > request.num_emitted:
+                outputs.append(self._output(request, finished=False))
+        return outputs
+
+    def _apply_stop_strings(self, request: Request) -> None:
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in request.params.stop if s and s in text]
+        if not hits:
+            return
+        cut, _ = min(hits)
+        # The shortest token prefix whose text reaches the stop string (only the newest block can).
+        for n in range(request.num_emitted, len(request.output_ids) + 1):
+            if len(self.tokenizer.decode(request.output_ids[:n], skip_special_tokens=True)) > cut:
+                break
+        request.output_ids = request.output_ids[:n]
+        request.text = text[:cut]
+        request.finish_reason = "stop"
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        request.state = RequestState.FINISHED
+        request.stats.finish_time = time.perf_counter()
+        if request.text is None:
+            request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
+        new = request.output_ids[request.num_emitted:]
+        request.num_emitted = len(request.output_ids)
+        self.total_generated_tokens += len(new)
+        return RequestOutput(request.request_id, new, list(request.output_ids), finished,
+                             request.finish_reason if finished else None, request.stats,
+                             request.text if finished else None)
+
+    def shutdown(self) -> None:
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self._pending = []
+
+
+def make_engine(cfg: DictConfig) -> LLMEngine:
+    """The engine for a validated run config (tensor/expert parallel groups start their workers)."""
+    if cfg.parallel.tp_size > 1:
+        from fluxlab.engine.distributed.engine import ParallelEngine
+
+        return ParallelEngine(cfg)
+    return LLMEngine(cfg)
