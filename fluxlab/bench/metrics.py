@@ -1,0 +1,98 @@
+"""Per-request records and the run's metrics, named as sglang's bench_serving names them.
+
+Definitions (DESIGN §10), over the requests that completed:
+  request/output/total_throughput = completed, output tokens, input+output tokens per second of duration
+  ttft = first streamed chunk (a committed block) after the request was sent
+  tpot = (e2e - ttft) / (output_tokens - 1), for requests with more than one output token
+  itl  = every gap between consecutive chunks of a request (a chunk is a block, so ITL is per block)
+  concurrency = sum of e2e latencies / duration (the average number of requests in flight)
+  tokens_per_forward = tokens the decoder accepted / forwards of the requests' active blocks
+  tokens_per_chunk = output tokens / chunks
+Percentiles use numpy's linear interpolation, as sglang does; an empty sample gives 0, as there.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+STATS = ("mean", "median", "std", "p90", "p95", "p99")
+LATENCIES = ("e2e_latency", "ttft", "tpot", "itl")
+HEADLINE = ("completed", "failed", "duration", "request_throughput", "output_throughput", "tokens_per_forward",
+            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "accuracy")
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # from the engine / the server's usage, never re-tokenised
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    chunks: int = 0  # streamed pieces that carried tokens
+    forwards: Optional[int] = None
+    tokens_accepted: Optional[int] = None  # null -> output_tokens stands in for TPF
+    finish_reason: Optional[str] = None
+    text: str = ""
+    answer: Optional[str] = None
+    correct: Optional[bool] = None
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def _stats(name: str, values_s: Sequence[float]) -> dict[str, float]:
+    ms = np.asarray(values_s, dtype=float) * 1e3
+    if ms.size == 0:
+        return {f"{stat}_{name}_ms": 0.0 for stat in STATS}
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"std_{name}_ms": float(ms.std()), f"p90_{name}_ms": float(np.percentile(ms, 90)),
+            f"p95_{name}_ms": float(np.percentile(ms, 95)), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def compute_metrics(records: Sequence[RequestRecord], duration_s: float) -> dict[str, float]:
+    """The run's metrics from its per-request records and wall-clock duration (first send to last answer)."""
+    done = [r for r in records if r.success]
+    total_in = sum(r.prompt_tokens for r in done)
+    total_out = sum(r.output_tokens for r in done)
+    duration = max(duration_s, 1e-9)
+    metrics: dict[str, float] = {
+        "duration": duration_s, "completed": len(done), "failed": len(records) - len(done),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
+        "total_throughput": (total_in + total_out) / duration,
+    }
+    metrics.update(_stats("e2e_latency", [r.e2e_s for r in done]))
+    metrics.update(_stats("ttft", [r.ttft_s for r in done]))
+    metrics.update(_stats("tpot", [r.tpot_s for r in done if r.tpot_s is not None]))
+    metrics.update(_stats("itl", [gap for r in done for gap in r.itl_s]))
+    metrics["concurrency"] = sum(r.e2e_s for r in done) / duration
+
+    counted = [r for r in done if r.forwards]
+    forwards = sum(r.forwards for r in counted)
+    accepted = sum(r.tokens_accepted if r.tokens_accepted is not None else r.output_tokens for r in counted)
+    metrics["forwards"] = forwards
+    metrics["tokens_per_forward"] = accepted / forwards if forwards else 0.0
+    chunks = sum(r.chunks for r in done)
+    metrics["tokens_per_chunk"] = total_out / chunks if chunks else 0.0
+    scored = [r.correct for r in done if r.correct is not None]
+    if scored:
+        metrics["accuracy"] = sum(scored) / len(scored)
+    return metrics
+
+
+def records_frame(records: Sequence[RequestRecord]) -> pd.DataFrame:
+    """One row per request, for the per-request CSV (ITLs as a space-separated list of seconds)."""
+    rows = []
+    for r in records:
+        row = asdict(r)
+        row["tpot_s"] = r.tpot_s
+        row["itl_s"] = " ".join(f"{gap:.6f}" for gap in r.itl_s)
+        rows.append(row)
+    return pd.DataFrame(rows)

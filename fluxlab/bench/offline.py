@@ -1,0 +1,106 @@
+"""Offline load: every prompt into the in-process engine at once, stepped to completion.
+
+The engine is driven step by step (not `llm.generate`) so each request's committed blocks are timed
+as they come out, giving TTFT and per-block ITL on the same definitions as the streamed online
+client. Like the online server, the engine is kept across the jobs of a sweep while only
+per-request keys change (they travel in SamplingParams).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from fluxlab.bench.metrics import RequestRecord
+from fluxlab.bench.server_process import server_overrides
+from fluxlab.bench.workload import BenchPrompt
+
+log = logging.getLogger("fluxlab.bench")
+
+_llm: Any = None
+_llm_key: Optional[list[str]] = None
+
+
+def acquire_llm(cfg: DictConfig) -> tuple[Any, bool]:
+    """(an LLM for `cfg`, reused): the previous job's engine when only per-request keys differ."""
+    global _llm, _llm_key
+    key = server_overrides(cfg)
+    if _llm is not None and _llm_key == key:
+        return _llm, True
+    release_llm()
+    from fluxlab.llm import LLM
+
+    _llm, _llm_key = LLM.from_config(cfg), key
+    return _llm, False
+
+
+def release_llm() -> None:
+    global _llm, _llm_key
+    if _llm is not None:
+        _llm.shutdown()
+    _llm, _llm_key = None, None
+
+
+def encode(llm: Any, prompt: BenchPrompt) -> list[int]:
+    """Prompt token ids, built as the server builds them (the tokenizer's chat template for messages)."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    text = llm.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _params(prompt: BenchPrompt, knobs: dict[str, Any]) -> Any:
+    from fluxlab.engine.request import SamplingParams
+
+    return SamplingParams(max_new_tokens=prompt.max_tokens, ignore_eos=prompt.ignore_eos, **knobs)
+
+
+def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any], warmup_requests: int = 1,
+                disable_progress: bool = False) -> tuple[list[RequestRecord], float]:
+    """Run every prompt through `llm.engine`; (records in prompt order, duration s)."""
+    engine = llm.engine
+    prompt_ids = [encode(llm, p) for p in prompts]
+    if warmup_requests:
+        warm = [prompt_ids[i % len(prompts)] for i in range(warmup_requests)]
+        llm.generate(warm, [_params(prompts[i % len(prompts)], knobs) for i in range(warmup_requests)])
+
+    records: dict[str, RequestRecord] = {}
+    sent: dict[str, float] = {}
+    chunk_times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for prompt, ids in zip(prompts, prompt_ids):
+        request_id = engine.add_request(ids, _params(prompt, knobs))
+        sent[request_id] = time.perf_counter()
+        chunk_times[request_id] = []
+        records[request_id] = RequestRecord(index=prompt.index, answer=prompt.answer, prompt_tokens=len(ids))
+    with tqdm(total=len(prompts), desc="requests", unit="req", disable=disable_progress) as progress:
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.request_id not in records:
+                    continue
+                if out.new_token_ids:
+                    chunk_times[out.request_id].append(now)
+                if out.finished:
+                    _finish(llm, records[out.request_id], out, sent[out.request_id], chunk_times[out.request_id], now)
+                    progress.update(1)
+    duration = time.perf_counter() - start
+    return sorted(records.values(), key=lambda r: r.index), duration
+
+
+def _finish(llm: Any, record: RequestRecord, out: Any, sent: float, chunk_times: list[float], now: float) -> None:
+    record.success = out.finish_reason != "abort"
+    record.error = "" if record.success else "aborted by the engine"
+    record.finish_reason = out.finish_reason
+    record.output_tokens = len(out.token_ids)
+    record.text = out.text if out.text is not None else llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    record.forwards = out.stats.forwards
+    record.tokens_accepted = out.stats.tokens_accepted
+    record.e2e_s = now - sent
+    record.ttft_s = (chunk_times[0] if chunk_times else now) - sent
+    record.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    record.chunks = len(chunk_times)

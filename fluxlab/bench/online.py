@@ -1,0 +1,154 @@
+"""Online load: an httpx async client streaming OpenAI requests at a Poisson (or gamma) arrival rate.
+
+As in sglang's bench_serving: arrivals are gaps drawn from a gamma distribution of shape
+`burstiness` and mean 1/request_rate (shape 1 = Poisson, smaller = burstier; rate inf = all at
+once); `max_concurrency` caps requests in flight, and a request's clock starts when it is sent,
+not when it arrives. Warm-up requests run first and are left out of every number.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import logging
+
+import httpx
+import numpy as np
+from tqdm.auto import tqdm
+
+from fluxlab.bench.metrics import RequestRecord
+from fluxlab.bench.workload import BenchPrompt
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the progress bar
+
+
+
+def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before sending each request (the first is sent at once)."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"bench.request_rate={request_rate} and bench.burstiness={burstiness} must be > 0")
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)
+    gaps[0] = 0.0
+    return gaps.tolist()
+
+
+def request_body(prompt: BenchPrompt, model: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one streamed request; `knobs` are the per-request decoding fields."""
+    body: dict[str, Any] = {"model": model, "max_tokens": prompt.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, **knobs}
+    if prompt.ignore_eos:
+        body["ignore_eos"] = True
+    if prompt.messages is not None:
+        return "/v1/chat/completions", {**body, "messages": prompt.messages}
+    return "/v1/completions", {**body, "prompt": prompt.token_ids}
+
+
+def _decoder_counts(usage: dict[str, Any]) -> tuple[Optional[int], Optional[int]]:
+    """(forwards, tokens accepted) from the server's `usage.fluxlab` extension, when present.
+
+    The server reports forwards and the per-request tokens_per_forward (rounded to 4 decimals), so
+    accepted = tpf x forwards is exact after rounding for any request under 5000 forwards.
+    """
+    extra = usage.get("fluxlab") or {}
+    forwards = extra.get("forwards")
+    if forwards is None:
+        return None, None
+    tpf = extra.get("tokens_per_forward")
+    return int(forwards), None if tpf is None else round(float(tpf) * int(forwards))
+
+
+async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPrompt, model: str,
+                       knobs: dict[str, Any], record: Optional[RequestRecord] = None) -> RequestRecord:
+    """Stream one request; times chunks as they arrive and takes token counts from the final usage."""
+    record = record or RequestRecord(index=prompt.index, answer=prompt.answer)
+    path, body = request_body(prompt, model, knobs)
+    pieces: list[str] = []
+    chunk_times: list[float] = []
+    usage: dict[str, Any] = {}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", base_url + path, json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {response.status_code}: {detail[:500]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    if text:
+                        chunk_times.append(time.perf_counter())
+                        pieces.append(text)
+                    record.finish_reason = choice.get("finish_reason") or record.finish_reason
+        end = time.perf_counter()
+    except Exception as err:  # a failed request is counted, not fatal to the run
+        record.success, record.error = False, f"{type(err).__name__}: {err}"
+        record.e2e_s = time.perf_counter() - start
+        return record
+    if not usage:
+        record.success, record.error = False, "no usage in the stream (stream_options.include_usage ignored?)"
+        return record
+    record.success = True
+    record.text = "".join(pieces)
+    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    record.output_tokens = int(usage.get("completion_tokens") or 0)
+    record.forwards, record.tokens_accepted = _decoder_counts(usage)
+    record.e2e_s = end - start
+    record.ttft_s = (chunk_times[0] if chunk_times else end) - start
+    record.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    record.chunks = len(chunk_times)
+    return record
+
+
+async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs: dict[str, Any], bench: Any,
+               seed: int, api_key: Optional[str]) -> tuple[list[RequestRecord], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = httpx.Timeout(bench.request_timeout_s, pool=None)
+    limits = httpx.Limits(max_connections=bench.max_concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        for i in range(bench.warmup_requests):
+            warm = await send_request(client, base_url, prompts[i % len(prompts)], model, knobs)
+            if not warm.success:
+                raise RuntimeError(f"warm-up request failed against {base_url}: {warm.error}")
+
+        gate = asyncio.Semaphore(bench.max_concurrency) if bench.max_concurrency else None
+        progress = tqdm(total=len(prompts), desc="requests", unit="req", disable=bench.disable_progress)
+
+        async def one(prompt: BenchPrompt) -> RequestRecord:
+            if gate is None:
+                record = await send_request(client, base_url, prompt, model, knobs)
+            else:
+                async with gate:
+                    record = await send_request(client, base_url, prompt, model, knobs)
+            progress.update(1)
+            return record
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, gap in zip(prompts, arrival_gaps(len(prompts), bench.request_rate, bench.burstiness, seed)):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(prompt)))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        progress.close()
+    return list(records), duration
+
+
+def run_online(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs: dict[str, Any], bench: Any,
+               seed: int = 0, api_key: Optional[str] = None) -> tuple[list[RequestRecord], float]:
+    """Send every prompt to `base_url` under `bench`'s load shape; (records in prompt order, duration s)."""
+    return asyncio.run(_run(base_url.rstrip("/"), prompts, model, knobs, bench, seed, api_key))

@@ -1,0 +1,47 @@
+"""GSM8K scoring: the final number of the answer against the reference (the usual final-number match).
+
+The model's final number is the one after `####` or "answer is" when it says so, else the last
+number in the text; the reference may be a bare number or a full GSM8K solution ending in `#### N`.
+Numbers compare as values, so "1,300", "$1300" and "1300.00" all match 1300.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+_NUMBER = r"-?[$]?\d[\d,]*(?:\.\d+)?"
+_MARKED = re.compile(rf"(?:####|answer is:?)\s*\**\s*({_NUMBER})", re.IGNORECASE)
+_ANY = re.compile(_NUMBER)
+
+
+def _value(token: str) -> Optional[float]:
+    try:
+        return float(token.replace(",", "").replace("$", ""))
+    except ValueError:
+        return None
+
+
+def final_number(text: str) -> Optional[float]:
+    """The number a GSM8K answer ends on, or None when the text holds no number."""
+    marked = _MARKED.findall(text)
+    if marked:
+        return _value(marked[-1])
+    numbers = _ANY.findall(text)
+    return _value(numbers[-1]) if numbers else None
+
+
+def gsm8k_correct(text: str, reference: str) -> bool:
+    predicted, expected = final_number(text), final_number(reference)
+    return predicted is not None and expected is not None and abs(predicted - expected) < 1e-6
+
+
+SCORERS: dict[str, Callable[[str, str], bool]] = {"gsm8k": gsm8k_correct}
+
+
+def get_scorer(name: Optional[str]) -> Optional[Callable[[str, str], bool]]:
+    """The scorer called `name` (workload.scorer); None when scoring is off."""
+    if name is None:
+        return None
+    if name not in SCORERS:
+        raise ValueError(f"workload.scorer={name!r}: use one of {', '.join(SCORERS)} or null")
+    return SCORERS[name]
