@@ -252,14 +252,23 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_load")
-    async def get_load() -> dict:
-        snap = async_engine.snapshot
-        waiting = async_engine.num_waiting
-        # `load` is what sglang-router's power_of_two policy compares; the rest is for people.
-        return {"load": snap.num_running + waiting, "num_reqs": snap.num_running + waiting,
-                "num_running_reqs": snap.num_running, "num_waiting_reqs": waiting,
-                "kv_free_pages": snap.kv_free_pages, "kv_total_pages": snap.kv_total_pages,
-                "total_forwards": snap.total_forwards, "total_generated_tokens": snap.total_generated_tokens}
+    async def get_load() -> list[dict]:
+        snap, waiting = async_engine.snapshot, async_engine.num_waiting
+        page_size = cfg.engine.page_size or cfg.decoding.block_length
+        # sglang's shape (one entry per DP rank), which sglang-router reads for power_of_two routing;
+        # the KV and counter fields are fluxlab's.
+        return [{"dp_rank": 0, "num_reqs": snap.num_running + waiting, "num_waiting_reqs": waiting,
+                 "num_running_reqs": snap.num_running,
+                 "num_tokens": (snap.kv_total_pages - snap.kv_free_pages) * page_size,
+                 "kv_free_pages": snap.kv_free_pages, "kv_total_pages": snap.kv_total_pages,
+                 "total_forwards": snap.total_forwards, "total_generated_tokens": snap.total_generated_tokens}]
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        # sglang-router asks for this when it registers a worker. No model_path on purpose: the
+        # router would try to load a tokenizer from it, which HTTP routing does not need.
+        return {"served_model_name": served_name, "is_generation": True, "max_model_len": async_engine.max_model_len}
 
     @app.get("/server_info")
     async def server_info() -> dict:

@@ -52,26 +52,15 @@ def _serve_single(cfg: DictConfig) -> None:
     from fluxlab.server.app import build_app
     from fluxlab.server.async_engine import AsyncEngine
 
-    engine = _build_engine(cfg)
+    from fluxlab.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(cfg)  # loads before the socket opens: the ready line means ready to serve
     async_engine = AsyncEngine(engine, cfg.server.max_waiting_requests)
     app = build_app(cfg, async_engine)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
                             access_log=cfg.server.log_level == "debug", timeout_graceful_shutdown=10)
     server = _Server(config, on_exit=async_engine.abort_all)
     asyncio.run(_run_uvicorn(server, cfg.server.host))
-
-
-def _build_engine(cfg: DictConfig) -> Any:
-    # TEMPORARY: FLUXLAB_SERVER_FAKE_ENGINE=module:Class until fluxlab.engine.llm_engine lands.
-    fake = os.environ.get("FLUXLAB_SERVER_FAKE_ENGINE")
-    if fake:
-        import importlib
-
-        module, _, name = fake.partition(":")
-        return getattr(importlib.import_module(module), name)(cfg)
-    from fluxlab.engine.llm_engine import LLMEngine
-
-    return LLMEngine(cfg)
 
 
 class _Server:
@@ -154,10 +143,10 @@ def _serve_router(cfg: DictConfig) -> int:
         port = cfg.server.port or _free_port()
         router_argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
                        "--policy", cfg.server.router_policy, "--host", cfg.server.host, "--port", str(port),
-                       "--log-level", "warn" if cfg.server.log_level not in ("debug", "info") else "info"]
+                       "--log-level", "info" if cfg.server.log_level == "debug" else "warn"]
         children.append(_Child("router", router_argv, dict(os.environ)))
         router_url = f"http://{_connect_host(cfg.server.host)}:{port}"
-        if not _wait_healthy(children[-1], router_url, cfg.server.health_timeout_s, stopping):
+        if not _wait_router(children[-1], router_url, len(children) - 1, cfg.server.health_timeout_s, stopping):
             return 0 if stopping.is_set() else 1
         _announce(cfg.server.host, port)
 
@@ -208,6 +197,30 @@ def _wait_healthy(child: _Child, url: str, timeout_s: float, stopping: threading
         time.sleep(0.2)
     if not stopping.is_set():
         print(f"fluxlab serve: {child.name} at {url} not healthy within {timeout_s:.0f}s", file=sys.stderr, flush=True)
+    return False
+
+
+def _wait_router(router: _Child, url: str, num_local: int, timeout_s: float, stopping: threading.Event) -> bool:
+    """The router answers /health before it has registered any worker (that runs in the
+    background); /readiness counts the healthy ones, so wait until it sees every local replica."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stopping.is_set():
+        if router.died() is not None:
+            print(f"fluxlab serve: sglang-router exited with code {router.died()}; see its log above",
+                  file=sys.stderr, flush=True)
+            return False
+        try:
+            response = httpx.get(f"{url}/readiness", timeout=2.0)
+            if response.status_code == 200 and response.json().get("healthy_workers", 0) >= num_local:
+                return True
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    if not stopping.is_set():
+        print(f"fluxlab serve: sglang-router at {url} did not see {num_local} healthy replicas within "
+              f"{timeout_s:.0f}s", file=sys.stderr, flush=True)
     return False
 
 
