@@ -36,7 +36,6 @@ _COMMON = {
     "pad_token_id": 156892,
     "partial_rotary_factor": 0.5,
     "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
     "rope_theta": 600000,
     "rotary_dim": 64,
     "routed_scaling_factor": 2.5,

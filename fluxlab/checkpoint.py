@@ -1,0 +1,202 @@
+"""Write random-weight LLaDA2 checkpoints in the published HF layout (`fluxlab checkpoint`).
+
+Everything is deterministic: the same (preset, seed, dtype) gives byte-identical files on any
+machine (integer RNG draws, sorted JSON, a BPE trained single-threaded on a fixed corpus).
+Importable without hydra; torch, safetensors and tokenizers are imported inside the functions.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_VERSION = 1  # bump when the tiny checkpoint's content changes (cache folder name follows)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<role>", "</role>", "<|role_end|>"]
+# Published LLaDA2 ids for mask/eos; the role ids are placeholders next to them.
+_RELEASED_SPECIAL_IDS = {"<|endoftext|>": 156892, "<|mask|>": 156895, "<role>": 156897, "</role>": 156898,
+                         "<|role_end|>": 156899}
+_SHARD_BYTES = 2 * 1024**3
+
+# Ling-2.0 style: <role>SYSTEM</role>…<|role_end|><role>HUMAN</role>…<|role_end|><role>ASSISTANT</role>
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{- '<role>SYSTEM</role>' + message['content'] + '<|role_end|>' -}}"
+    "{%- elif message['role'] == 'user' -%}{{- '<role>HUMAN</role>' + message['content'] + '<|role_end|>' -}}"
+    "{%- elif message['role'] == 'assistant' -%}{{- '<role>ASSISTANT</role>' + message['content'] + '<|role_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<role>ASSISTANT</role>' -}}{%- endif -%}"
+)
+
+
+def corpus_path() -> Path:
+    return Path(__file__).parent / "assets" / "tiny_corpus.txt"
+
+
+def _dump(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def train_tokenizer(special_ids: dict[str, int] | None = None, vocab_size: int = 4096) -> str:
+    """Byte-level BPE trained on fluxlab/assets -> tokenizer.json text.
+
+    Special tokens get `special_ids` (default: right after the learned vocab, in SPECIAL_TOKENS
+    order). Training is single-threaded-equivalent: tokenizers' BPE trainer breaks count ties by
+    pair order, and we verified identical output for RAYON_NUM_THREADS 1/2/8.
+    """
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(corpus_path())], trainer)
+    spec = json.loads(tok.to_str())
+    base = len(spec["model"]["vocab"])
+    if special_ids is None:
+        special_ids = {t: base + i for i, t in enumerate(SPECIAL_TOKENS)}
+    # Put the specials in the model vocab too, so explicit (even non-contiguous) ids are kept.
+    spec["model"]["vocab"].update(special_ids)
+    spec["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True} for t, i in sorted(special_ids.items(), key=lambda kv: kv[1])]
+    return Tokenizer.from_str(json.dumps(spec)).to_str()
+
+
+def _tokenizer_files(special_ids: dict[str, int], max_len: int) -> dict[str, str]:
+    tokenizer_json = train_tokenizer(special_ids)
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True} for t, i in special_ids.items()}
+    tok_config = {
+        "add_bos_token": False, "add_eos_token": False, "added_tokens_decoder": added,
+        "additional_special_tokens": ["<role>", "</role>", "<|role_end|>"],
+        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>", "mask_token": "<|mask|>", "pad_token": "<|endoftext|>",
+        "model_max_length": max_len, "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    special_map = {"additional_special_tokens": ["<role>", "</role>", "<|role_end|>"], "eos_token": "<|endoftext|>",
+                   "mask_token": "<|mask|>", "pad_token": "<|endoftext|>"}
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": _dump(tok_config),
+            "special_tokens_map.json": _dump(special_map)}
+
+
+def _tiny_special_ids() -> dict[str, int]:
+    spec = json.loads(train_tokenizer())
+    return {t["content"]: t["id"] for t in spec["added_tokens"]}
+
+
+def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str = "float32",
+                     shard: bool | None = None) -> Path:
+    """Write config.json, safetensors (sharded with an index when large or `shard=True`),
+    tokenizer files and generation_config.json for `preset` into `out`; returns the path.
+
+    Big presets are generated and written one layer at a time, so memory stays at one layer.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxlab.engine.loader import checkpoint_layout, random_tensors, resolve_dtype
+    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+    from fluxlab.engine.presets import preset_config
+
+    if out is None:
+        raise ValueError("write_checkpoint: out= (a directory) is required")
+    out = Path(out)
+    cfg = preset_config(preset)
+    torch_dtype = resolve_dtype(dtype)
+    tiny = preset == "tiny"
+    if tiny:
+        special_ids = _tiny_special_ids()
+        cfg["vocab_size"] = max(special_ids.values()) + 1
+    else:
+        special_ids = dict(_RELEASED_SPECIAL_IDS)
+    cfg["pad_token_id"] = special_ids["<|endoftext|>"]
+    cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    config = LLaDA2MoeConfig.from_dict(cfg)
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = _tokenizer_files(special_ids, cfg["max_position_embeddings"])
+    files["config.json"] = _dump(cfg)
+    files["generation_config.json"] = _dump({"eos_token_id": special_ids["<|endoftext|>"],
+                                            "pad_token_id": special_ids["<|endoftext|>"]})
+    for name, text in files.items():
+        (out / name).write_text(text, encoding="utf-8")
+
+    layout = checkpoint_layout(config)
+    groups = list(dict.fromkeys(slot.group for slot in layout.values()))
+    elem = torch.tensor([], dtype=torch_dtype).element_size()
+    total = sum(_numel(s.shape) for s in layout.values()) * elem
+    if shard is None:
+        shard = total > _SHARD_BYTES
+    ids = {"mask": special_ids["<|mask|>"], "eos": special_ids["<|endoftext|>"]}
+    metadata = {"format": "pt"}
+
+    def tensors_of(group_list):
+        return {n: t.to(torch_dtype).contiguous()
+                for n, t in random_tensors(config, seed, peaked=tiny, special_ids=ids, groups=group_list)}
+
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        old.unlink()
+    if not shard:
+        save_file(tensors_of(None), str(out / "model.safetensors"), metadata=metadata)
+        return out
+    weight_map = {}
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = tensors_of([group])
+        save_file(tensors, str(out / fname), metadata=metadata)
+        weight_map.update({n: fname for n in tensors})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(_dump(index), encoding="utf-8")
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _source_digest() -> str:
+    """Hash of what determines the tiny checkpoint: corpus + the code that writes it."""
+    h = hashlib.sha256(f"v{TINY_VERSION}".encode())
+    here = Path(__file__).parent
+    for p in [corpus_path(), Path(__file__), here / "engine" / "loader.py", here / "engine" / "presets.py"]:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FLUXLAB_CACHE") or Path.home() / ".cache" / "fluxlab")
+
+
+def ensure_tiny_checkpoint(cache_dir=None) -> Path:
+    """Path of the tiny checkpoint, written once into <cache>/tiny_llada2-<digest> and reused.
+
+    Safe under concurrent callers: each writes into its own temporary folder and renames it into
+    place atomically; a loser of the race discards its copy and uses the winner's.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache / f"tiny_llada2-{_source_digest()}"
+    if (final / "config.json").exists():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny_llada2-tmp-", dir=cache))
+    try:
+        write_checkpoint("tiny", tmp, seed=0, dtype="float32")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,167 @@
+"""The checkpoints' own `generate()` written plainly: the definition of right (DESIGN §5).
+
+Batch 1, no cache: every forward recomputes the whole window (all blocks up to the active one)
+with dense block-causal attention. Slow by design; the engine must reproduce its tokens at
+temperature 0 in fp32.
+
+Deliberate differences from the published code, all per DESIGN §5:
+- temperature 0 is greedy argmax (the published LLaDA2.0 sampler calls multinomial even at 0);
+- returned ids exclude the EOS (the published code returns it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fluxlab.engine.layers.attention_dense import DenseBlockCausalAttention
+
+
+@dataclass
+class ReferenceOutput:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS was generated) or "length"
+    forwards: int
+    # per decoded block: how many positions each forward filled (mask -> token), for tests/stats
+    accepted_per_step: list[list[int]] = field(default_factory=list)
+    edits: int = 0  # joint_threshold token-to-token edits applied
+    canvas: list[int] = field(default_factory=list)  # final prompt + blocks (mask ids where never decoded)
+
+
+def transfer_schedule(block_length: int, steps: int) -> list[int]:
+    """Tokens to unmask at each step of a block: block_length // steps each, the first
+    block_length % steps steps one more (LLaDA2.0 `_get_num_transfer_tokens`)."""
+    base, rem = divmod(block_length, steps)
+    return [base + 1 if s < rem else base for s in range(steps)]
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None):
+    """logits [N, V] fp32 -> (tokens [N], confidence [N]).
+
+    Greedy at temperature 0: argmax, confidence = its softmax probability over the full vocab.
+    Otherwise temperature, top-k, top-p, then sample; confidence = probability of the sampled
+    token under the filtered distribution (as the published sampler).
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        probs = torch.softmax(logits, dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+    logits = logits / temperature
+    if top_k and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum > top_p
+        drop[..., 1:] = drop[..., :-1].clone()  # keep the token that crosses top_p
+        drop[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, sorted_idx, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: int, decoder: str = "threshold",
+                       block_length: int = 32, steps: int | None = None, max_new_tokens: int = 128,
+                       threshold: float = 0.9, editing_threshold: float = 0.5, max_post_steps: int = 16,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                       ignore_eos: bool = False) -> ReferenceOutput:
+    if decoder not in ("threshold", "joint_threshold"):
+        raise ValueError(f"reference_generate: unknown decoder {decoder!r} (threshold, joint_threshold)")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device = next(model.parameters()).device
+    prompt_len = len(prompt_ids)
+    num_blocks = -(-(prompt_len + max_new_tokens) // block_length)
+    x = torch.full((num_blocks * block_length,), mask_id, dtype=torch.long, device=device)
+    x[:prompt_len] = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    # Effective steps = min(steps, max_new_tokens) (published: min(steps, gen_length // minimal_topk)).
+    schedule = transfer_schedule(block_length, min(steps or block_length, max_new_tokens))
+    out = ReferenceOutput([], "length", 0)
+
+    def logits_of_block(end: int) -> torch.Tensor:
+        attn = DenseBlockCausalAttention([end], block_length)
+        hidden = model(x[:end], torch.arange(end, device=device), attn)
+        out.forwards += 1
+        return model.compute_logits(hidden[end - block_length:])
+
+    # Blocks wholly inside the prompt are never decoded; the first decoded one holds the prompt tail.
+    for b in range(prompt_len // block_length, num_blocks):
+        start, end = b * block_length, (b + 1) * block_length
+        block = x[start:end]  # a view: writes land in x
+        prompt_pos = torch.arange(start, end, device=device) < prompt_len
+        accepted: list[int] = []
+        if decoder == "threshold":
+            for k in schedule:
+                masked = block == mask_id
+                if not masked.any():
+                    break
+                tokens, conf = sample_tokens(logits_of_block(end), temperature, top_k, top_p, generator)
+                conf = torch.where(masked, conf, -torch.inf)
+                high = conf > threshold
+                if int(high.sum()) >= k:
+                    chosen = high
+                else:
+                    chosen = torch.zeros_like(masked)
+                    chosen[torch.topk(conf, min(k, int(masked.sum()))).indices] = True
+                block[chosen] = tokens[chosen]
+                accepted.append(int(chosen.sum()))
+        else:
+            accepted = _joint_threshold_block(block, prompt_pos, logits_of_block, end, mask_id, threshold,
+                                              editing_threshold, max_post_steps, temperature, top_k, top_p,
+                                              generator, out)
+        out.accepted_per_step.append(accepted)
+        generated = x[prompt_len:end]
+        if not ignore_eos and bool((generated == eos_id).any()):
+            break  # later blocks never influence this one: stopping changes no returned token
+
+    generated = x[prompt_len:prompt_len + max_new_tokens].tolist()
+    if not ignore_eos and eos_id in generated:
+        generated = generated[:generated.index(eos_id)]
+        out.finish_reason = "stop"
+    out.token_ids = generated
+    out.canvas = x.tolist()
+    return out
+
+
+def _joint_threshold_block(block, prompt_pos, logits_of_block, end, mask_id, threshold, editing_threshold,
+                           max_post_steps, temperature, top_k, top_p, generator, out) -> list[int]:
+    """LLaDA2.1 joint threshold on one block (rules as in sglang's JointThreshold, DESIGN §5).
+
+    Per forward, from the same logits:
+    - mask-to-token: masked positions with confidence > threshold, else the single most confident;
+    - token-to-token: non-mask, non-prompt positions whose predicted token differs from the current
+      one with probability > editing_threshold. Edits run while masks remain too, not only after.
+    A forward that sees no mask in the block counts one post step. The block is final when a
+    forward changes nothing, or when post steps exceed max_post_steps: that forward's result would
+    be discarded, so it is not run here (forwards count only the forwards whose output is used or
+    that detect "no change").
+    """
+    accepted: list[int] = []
+    post_steps = 0
+    while True:
+        masked = block == mask_id
+        if not masked.any():
+            post_steps += 1
+            if post_steps > max_post_steps:
+                return accepted
+        tokens, conf = sample_tokens(logits_of_block(end), temperature, top_k, top_p, generator)
+        fill = torch.zeros_like(masked)
+        if masked.any():
+            mconf = torch.where(masked, conf, -torch.inf)
+            fill = mconf > threshold
+            if not fill.any():
+                fill[mconf.argmax()] = True
+        edit = ~masked & ~prompt_pos & (tokens != block) & (conf > editing_threshold)
+        change = fill | edit
+        if not change.any():
+            return accepted
+        block[change] = tokens[change]
+        accepted.append(int(fill.sum()))
+        out.edits += int(edit.sum())
