@@ -112,6 +112,17 @@ def test_per_request_steps_bound_the_forwards(client):
     assert 4 * blocks <= fluxlab_usage(r.usage)["forwards"] <= 5 * blocks
 
 
+def test_stop_strings_cut_the_text(client):
+    kwargs = dict(model=MODEL, prompt="Tell me something", max_tokens=32, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    if len(stop.strip()) < 2:
+        pytest.skip(f"no usable stop string in {full!r}")
+    cut = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[:full.index(stop)]
+
+
 def test_literal_mask_text_in_a_prompt_is_served(client):
     r = client.completions.create(model=MODEL, prompt="fill <|mask|> in <|mask|>", max_tokens=8)
     assert r.choices[0].finish_reason in ("stop", "length")

@@ -145,6 +145,7 @@ def _serve_router(cfg: DictConfig) -> int:
                        "--policy", cfg.server.router_policy, "--host", cfg.server.host, "--port", str(port),
                        "--log-level", "info" if cfg.server.log_level == "debug" else "warn"]
         children.append(_Child("router", router_argv, dict(os.environ)))
+        print(f"fluxlab: started sglang-router (pid {children[-1].proc.pid}) on port {port}", file=sys.stderr, flush=True)
         router_url = f"http://{_connect_host(cfg.server.host)}:{port}"
         if not _wait_router(children[-1], router_url, len(children) - 1, cfg.server.health_timeout_s, stopping):
             return 0 if stopping.is_set() else 1
