@@ -1,0 +1,371 @@
+"""Fused MoE for the LLaDA2 decode step (Triton), plus a sync-free `torch._grouped_mm` path.
+
+`fused_moe(x, topk_idx, topk_weight, w_gate_up, w_down)` computes the same thing as
+`fluxlab.engine.layers.moe.moe_reference`:
+
+    out[t] = sum_k w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = topk_idx[t, k]
+
+with w_gate_up [E, 2I, H] (rows: gate then up) and w_down [E, H, I], in four launches and with no
+host synchronisation, so it can be captured in a CUDA graph:
+
+1. `_count_kernel` (grid E): counts[e] = #slots routed to expert e.
+2. `_align_kernel` (grid E): each expert gets a BLOCK_M-padded run of rows in a buffer sized for
+   the worst case (T*K + min(E, T*K)*(BLOCK_M-1) rows); writes sorted_ids (flat token-slot index
+   t*K+k, or the sentinel T*K for padding), the expert of every BLOCK_M row block, and the number of
+   used rows (`total`, on device). Slots keep their original order inside an expert (deterministic).
+3. `_gate_up_kernel`: grouped GEMM x[tok] @ w_gate_up[e]^T, gate and up tiles for the same
+   N-columns in two accumulators, SiLU(gate)*up in the epilogue -> inter [rows, I] (x.dtype).
+4. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
+   epilogue, stored per token-slot -> [T*K, H] (x.dtype).
+Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32)`) and cast back.
+
+Row blocks past `total` (and programs whose block is past it) exit at once: the grid is sized by
+the worst case and the work by the device-side count.
+
+Tile configs come from a small heuristic table keyed on the average rows per expert (no autotune:
+autotuning inside a CUDA-graph capture is unsafe). Override with `config=` or the env var
+FLUXLAB_FUSED_MOE_CONFIG='{"BLOCK_M":16,...}' (keys of `MoEConfig`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - triton absent on the CPU CI image
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def _patch_interpreter_for_numpy2() -> None:
+    """triton 3.6's interpreter turns scalar args into 1-element arrays and calls int() on them for
+    `range(...)` bounds, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted").
+    Re-point `tensor.__index__` at `.item()` after the interpreter's own patching. CPU-only
+    (TRITON_INTERPRET=1); no effect on compiled kernels."""
+    try:
+        from triton.runtime import interpreter as _interp
+    except Exception:
+        return
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_fluxlab_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._fluxlab_patched = True
+    _interp._patch_lang_tensor = patched
+
+
+if HAVE_TRITON and _interpret():
+    _patch_interpreter_for_numpy2()
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    BLOCK_M: int = 16
+    # kernel 1 (gate/up, N = I, K = H)
+    BLOCK_N1: int = 64
+    BLOCK_K1: int = 128
+    WARPS1: int = 4
+    STAGES1: int = 3
+    # kernel 2 (down, N = H, K = I)
+    BLOCK_N2: int = 64
+    BLOCK_K2: int = 128
+    WARPS2: int = 4
+    STAGES2: int = 3
+    GROUP_M: int = 8
+
+
+def default_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> MoEConfig:
+    """Heuristic table for H200 bf16 (untuned: the lead's benchmark should refine it).
+
+    Few rows per expert (decode, <= 16 on average): the layer streams weights, so BLOCK_M=16 (mma
+    path), wide-K tiles and 3 stages keep ~100 KB of weight loads in flight per SM. More rows per
+    expert: bigger M tiles so each weight strip is reused across more rows."""
+    avg = num_slots / max(1, num_experts)
+    if avg <= 16:
+        cfg = MoEConfig(BLOCK_M=16, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3,
+                        BLOCK_N2=64, BLOCK_K2=128, WARPS2=4, STAGES2=3, GROUP_M=8)
+    elif avg <= 48:
+        cfg = MoEConfig(BLOCK_M=32, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3,
+                        BLOCK_N2=64, BLOCK_K2=128, WARPS2=4, STAGES2=3, GROUP_M=8)
+    else:
+        cfg = MoEConfig(BLOCK_M=64, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8, STAGES1=3,
+                        BLOCK_N2=128, BLOCK_K2=64, WARPS2=4, STAGES2=3, GROUP_M=8)
+    env = os.environ.get("FLUXLAB_FUSED_MOE_CONFIG")
+    if env:
+        cfg = dataclasses.replace(cfg, **json.loads(env))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _count_kernel(topk_ptr, counts_ptr, N, CH: tl.constexpr):
+        e = tl.program_id(0)
+        acc = tl.zeros([CH], dtype=tl.int32)
+        for c in range(0, N, CH):
+            offs = c + tl.arange(0, CH)
+            ids = tl.load(topk_ptr + offs, mask=offs < N, other=-1)
+            acc += (ids == e).to(tl.int32)
+        tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _align_kernel(topk_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, N, E,
+                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr):
+        e = tl.program_id(0)
+        offs_e = tl.arange(0, E_P2)
+        cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        excl = tl.cumsum(padded, axis=0) - padded
+        start = tl.sum(tl.where(offs_e == e, excl, 0), axis=0)
+        my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0), axis=0)
+        my_pad = (my_cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        if e == 0:
+            tl.store(total_ptr, tl.sum(padded, axis=0))
+        if my_cnt > 0:
+            running = tl.sum(tl.zeros([CH], dtype=tl.int32), axis=0)
+            for c in range(0, N, CH):
+                offs = c + tl.arange(0, CH)
+                ids = tl.load(topk_ptr + offs, mask=offs < N, other=-1)
+                hit = (ids == e).to(tl.int32)
+                rank = running + tl.cumsum(hit, axis=0) - hit
+                tl.store(sorted_ids_ptr + start + rank, offs, mask=hit > 0)
+                running += tl.sum(hit, axis=0)
+            offs_p = tl.arange(0, BLOCK_M)
+            sentinel = tl.zeros([BLOCK_M], dtype=tl.int32) + N
+            tl.store(sorted_ids_ptr + start + my_cnt + offs_p, sentinel, mask=my_cnt + offs_p < my_pad)
+            nblk = my_pad // BLOCK_M
+            b0 = start // BLOCK_M
+            for b in range(0, nblk, CH):
+                ob = b + tl.arange(0, CH)
+                tl.store(expert_ids_ptr + b0 + ob, tl.zeros([CH], dtype=tl.int32) + e, mask=ob < nblk)
+
+    @triton.jit
+    def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        # Grouped ordering: consecutive programs share pid_n and walk GROUP_M row blocks (mostly
+        # the same expert at large T), so a weight strip is reused from L2.
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+                        N, TOPK, H, I, num_pid_m,
+                        stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(I, BLOCK_N)
+        pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
+        total = tl.load(total_ptr)
+        if pid_m * BLOCK_M < total:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slot = tl.load(sorted_ids_ptr + offs_m)
+            valid = slot < N
+            tok = (slot // TOPK).to(tl.int64)
+            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+            bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            bu_ptrs = bg_ptrs + I * stride_wn
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(0, tl.cdiv(H, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                    bg = tl.load(bg_ptrs)
+                    bu = tl.load(bu_ptrs)
+                else:
+                    k_ok = offs_k < H - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                    bg = tl.load(bg_ptrs, mask=k_ok[:, None], other=0.0)
+                    bu = tl.load(bu_ptrs, mask=k_ok[:, None], other=0.0)
+                if IEEE:
+                    acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(a, bg, acc_g)
+                    acc_u = tl.dot(a, bu, acc_u)
+                a_ptrs += BLOCK_K
+                bg_ptrs += BLOCK_K * stride_wk
+                bu_ptrs += BLOCK_K * stride_wk
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
+
+    @triton.jit
+    def _down_kernel(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+                     N, H, I, num_pid_m,
+                     stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(H, BLOCK_N)
+        pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
+        total = tl.load(total_ptr)
+        if pid_m * BLOCK_M < total:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slot = tl.load(sorted_ids_ptr + offs_m)
+            valid = slot < N
+            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_bn = (offs_n % H).to(tl.int64)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+            b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(0, tl.cdiv(I, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = offs_k < I - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K * stride_wk
+            w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * w[:, None]
+            o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrappers (no host sync: every size below is a function of shapes only)
+# ----------------------------------------------------------------------------------------------
+
+def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Worst-case rows after padding every expert's run to a multiple of block_m."""
+    rows = num_slots + min(num_experts, num_slots) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m if HAVE_TRITON else -(-rows // block_m) * block_m
+
+
+def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int):
+    """-> (sorted_ids int32 [R], expert_ids int32 [R/block_m], total int32 [1]); only the first
+    `total` rows are written (padding rows hold the sentinel T*K)."""
+    flat = topk_idx.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    rows = max_padded_rows(n, num_experts, block_m)
+    dev = flat.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    ch = 1024 if n > 256 else 256
+    _count_kernel[(num_experts,)](flat, counts, n, CH=ch, num_warps=4)
+    _align_kernel[(num_experts,)](flat, counts, sorted_ids, expert_ids, total, n, num_experts,
+                                  BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CH=ch,
+                                  num_warps=4)
+    return sorted_ids, expert_ids, total
+
+
+def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+              w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+    """x [T, H], topk_idx [T, K] int, topk_weight [T, K] fp32, w_gate_up [E, 2I, H], w_down [E, H, I]
+    -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("fused_moe needs triton")
+    if not x.is_cuda and not _interpret():
+        raise RuntimeError("fused_moe runs on CUDA (or on CPU under TRITON_INTERPRET=1)")
+    num_tokens, hidden = x.shape
+    top_k = topk_idx.shape[1]
+    num_experts, two_i, hidden_w = w_gate_up.shape
+    inter = two_i // 2
+    assert hidden_w == hidden and w_down.shape == (num_experts, hidden, inter), (x.shape, w_gate_up.shape, w_down.shape)
+    out_dtype = x.dtype
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    x = x.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    if x.dtype != w_gate_up.dtype:
+        x = x.to(w_gate_up.dtype)
+    topk_weight = topk_weight.reshape(-1).contiguous()
+    n = num_tokens * top_k
+    cfg = config or default_config(n, num_experts, hidden, inter)
+    bm = cfg.BLOCK_M
+    sorted_ids, expert_ids, total = moe_align(topk_idx, num_experts, bm)
+    num_pid_m = sorted_ids.numel() // bm
+    ieee = x.dtype == torch.float32
+
+    inter_buf = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    grid1 = (num_pid_m * triton.cdiv(inter, cfg.BLOCK_N1),)
+    _gate_up_kernel[grid1](
+        x, w_gate_up, inter_buf, sorted_ids, expert_ids, total,
+        n, top_k, hidden, inter, num_pid_m,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M,
+        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=ieee, num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+
+    slot_out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    grid2 = (num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)
+    _down_kernel[grid2](
+        inter_buf, w_down, slot_out, topk_weight, sorted_ids, expert_ids, total,
+        n, hidden, inter, num_pid_m,
+        inter_buf.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), slot_out.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M,
+        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=ieee, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
+
+    # Combine the K slots of each token in fp32 (reads x.dtype, accumulates fp32) and cast back.
+    return torch.sum(slot_out.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(out_dtype)
+
+
+def grouped_mm_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """`moe_forward`'s grouped-GEMM path without host syncs (CUDA bf16, sm90+).
+
+    moe_forward uses `torch.bincount` (on CUDA it reads the max back to the host to size its output)
+    and `out[order] = ...` (index_put); here counts come from scatter_add_ into a fixed-size buffer
+    and the un-permute is a gather with the inverse permutation. Same arithmetic as moe_forward:
+    bf16 grouped GEMMs, SiLU*up in bf16, weighted sum over slots in fp32."""
+    num_tokens, top_k = topk_idx.shape
+    num_experts = w_gate_up.shape[0]
+    flat = topk_idx.reshape(-1)
+    n = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.long(), torch.ones(n, dtype=torch.int32, device=x.device))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    sorted_x = x.index_select(0, order // top_k)
+    gate_up = torch._grouped_mm(sorted_x, w_gate_up.transpose(1, 2), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    sorted_out = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(n, device=x.device, dtype=order.dtype))
+    out = sorted_out.index_select(0, inv).view(num_tokens, top_k, -1)
+    return (out.float() * topk_weight[..., None].float()).sum(dim=1).to(x.dtype)
