@@ -71,6 +71,24 @@ def test_at_least_k_accepted_every_step_and_several_at_threshold(setup, runs):
     assert tpf > 2.0
 
 
+def test_fewer_steps_accept_at_least_the_scheduled_k(setup):
+    model, prompts, mask_id, eos_id = setup
+    k = transfer_schedule(32, 8)  # 4 per step
+    exactly_k = False
+    for prompt in prompts[:3]:
+        out = reference_generate(model, prompt, mask_id=mask_id, eos_id=eos_id, max_new_tokens=96, steps=8,
+                                 threshold=0.9, ignore_eos=True)
+        for b, steps in enumerate(out.accepted_per_step):
+            assert len(steps) <= 8
+            remaining = 32 - (len(prompt) % 32 if b == 0 else 0)
+            for s, accepted in enumerate(steps):
+                assert accepted >= min(k[s], remaining)
+                exactly_k |= accepted == k[s] < remaining
+                remaining -= accepted
+            assert remaining == 0
+    assert exactly_k  # some steps had fewer than k confident positions and took the top k
+
+
 def test_low_threshold_accepts_more_per_forward_than_high(setup):
     model, prompts, mask_id, eos_id = setup
     lo = reference_generate(model, prompts[0], mask_id=mask_id, eos_id=eos_id, max_new_tokens=40, threshold=0.5,

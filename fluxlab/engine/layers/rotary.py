@@ -10,7 +10,7 @@ class PartialRotary(nn.Module):
     to the activation dtype before use, as the published code does.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_positions: int = 4096):
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_positions: int = 32768):
         super().__init__()
         assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
         self.head_dim = head_dim
@@ -31,9 +31,8 @@ class PartialRotary(nn.Module):
         self._cache_len = length
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        need = int(positions.max().item()) + 1 if positions.numel() else 0
-        if need > self._cache_len:
-            self._build(max(need, 2 * self._cache_len))
+        """[T, rotary_dim] cos and sin for absolute positions (< max_positions; no host sync, so
+        it is safe inside CUDA graphs)."""
         return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -17,7 +17,7 @@ from torch import nn
 from fluxlab.engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fluxlab.engine.layers.moe import MoEGate, StackedExperts
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm
-from fluxlab.engine.layers.rotary import PartialRotary
+from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
 
 
 @dataclass
@@ -124,7 +124,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
 
 class LLaDA2MoeAttention(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, rotary: PartialRotary, dtype=None, device=None):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
@@ -137,31 +137,31 @@ class LLaDA2MoeAttention(nn.Module):
             self.query_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device)
             self.key_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device)
         self.dense = RowParallelLinear(self.num_heads * self.head_dim, c.hidden_size, dtype=dtype, device=device)
-        self.rotary = [rotary]  # shared module, kept out of this module's state_dict
 
-    def forward(self, x, positions, attn):
+    def forward(self, x, cos_sin, attn):
         T = x.shape[0]
         qkv = self.query_key_value(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:  # per-head norm before RoPE, as published
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        q, k = self.rotary[0](positions, q, k)
+        cos, sin = cos_sin
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         o = attn.forward(self.layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
         return self.dense(o.reshape(T, self.num_heads * self.head_dim))
 
 
 class LLaDA2MoeDecoderLayer(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, rotary, dtype=None, device=None):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.attention = LLaDA2MoeAttention(c, layer_idx, rotary, dtype, device)
+        self.attention = LLaDA2MoeAttention(c, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = (LLaDA2MoeSparseMoeBlock(c, dtype, device) if c.is_moe_layer(layer_idx)
                     else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device))
 
-    def forward(self, x, positions, attn):
-        x = x + self.attention(self.input_layernorm(x), positions, attn)
+    def forward(self, x, cos_sin, attn):
+        x = x + self.attention(self.input_layernorm(x), cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,9 +173,8 @@ class LLaDA2MoeModel(nn.Module):
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device,
                                             _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
         self.word_embeddings.weight.requires_grad_(False)
-        self.rotary_emb = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta,
-                                        min(c.max_position_embeddings, 8192)).to(device)
-        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, self.rotary_emb, dtype, device)
+        self.rotary_emb = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, c.max_position_embeddings).to(device)
+        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, dtype, device)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, dtype=dtype, device=device)
@@ -184,8 +183,10 @@ class LLaDA2MoeModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids/positions [T] (flattened batch) -> hidden [T, hidden] before the final norm."""
         x = self.word_embeddings(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        cos_sin = (cos[:, None, :], sin[:, None, :])  # broadcast over heads
         for layer in self.layers:
-            x = layer(x, positions, attn)
+            x = layer(x, cos_sin, attn)
         return x
 
     @torch.no_grad()
