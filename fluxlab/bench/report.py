@@ -76,7 +76,9 @@ def _axis(runs: pd.DataFrame, key: Optional[str]) -> pd.Series:
         return pd.Series(range(len(runs)), index=runs.index, name="run")
     raw = runs[f"params.{key}"]
     numeric = pd.to_numeric(raw, errors="coerce")
-    return (numeric if numeric.notna().all() else raw).rename(key)
+    if numeric.notna().sum() == raw.notna().sum():  # runs without the key (a mixed experiment) stay NaN
+        return numeric.rename(key)
+    return raw.fillna("").astype(str).rename(key)
 
 
 def _markdown(frame: pd.DataFrame) -> str:
@@ -167,4 +169,4 @@ def write_report(cfg: DictConfig) -> str:
     report = out_dir / "report.md"
     report.write_text("\n".join(lines))
     table.to_csv(out_dir / "runs.csv", index=False)
-    return str(report)
+    return str(report.resolve())

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("fluxlab.bench")
 
@@ -63,10 +64,12 @@ class BenchSweepCallback(Callback):
 
         tags = tracking.run_tags(config)
         tags.update({tracking.SWEEP_TAG: " ".join(overrides), tracking.SWEPT_KEYS_TAG: ",".join(keys)})
-        name = config.tracking.run_name or "sweep " + " ".join(overrides) or "sweep"
+        # Short and unique: it names the report folder (reports/<name>/) too.
+        name = config.tracking.run_name or f"sweep-{'+'.join(keys) or 'jobs'}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_id = tracking.start_run(config.tracking, name[:250], tags)
-        params = {k: v for k, v in tracking.flatten_params(config).items()
-                  if not k.startswith("hydra.") and k not in keys}
+        # The parent holds what every job shares; hydra's own node cannot resolve outside a job.
+        shared = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+        params = {k: v for k, v in tracking.flatten_params(shared).items() if k not in keys}
         tracking.log_run(config.tracking, run_id, params=params)
         os.environ[PARENT_ENV] = run_id
         log.info("MLflow parent run %s (%s) in %s", run_id, name, tracking.store_uri(config.tracking))

@@ -1,0 +1,71 @@
+"""Workloads: the shipped GSM8K sample, any chat JSONL, random token prompts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fluxlab.bench.scoring import final_number
+from fluxlab.bench.workload import load_workload, sample_jsonl_path
+from fluxlab.config import compose
+
+
+class VocabTokenizer:
+    all_special_ids = [0, 1, 2]
+
+    def __len__(self):
+        return 50
+
+
+def test_shipped_sample_is_gsm8k_shaped_with_numeric_answers():
+    lines = [json.loads(line) for line in sample_jsonl_path().read_text().splitlines()]
+    assert len(lines) >= 32
+    for line in lines:
+        assert line["messages"][0]["role"] == "user" and line["messages"][0]["content"]
+        assert final_number(line["metadata"]["answer"]) is not None
+
+
+def test_jsonl_takes_num_prompts_in_file_order_and_cycles():
+    prompts = load_workload(compose("bench", ["workload.num_prompts=40"]))
+    assert len(prompts) == 40 and [p.index for p in prompts] == list(range(40))
+    assert prompts[32].messages == prompts[0].messages  # 32 lines in the sample: cycled
+    assert all(p.answer is not None and not p.ignore_eos for p in prompts)
+
+
+def test_max_tokens_defaults_to_model_max_new_tokens_and_can_be_overridden():
+    cfg = compose("bench", ["model.max_new_tokens=48"])
+    assert {p.max_tokens for p in load_workload(cfg)} == {48}
+    cfg = compose("bench", ["workload.max_tokens=32"])
+    assert {p.max_tokens for p in load_workload(cfg)} == {32}
+
+
+def test_user_jsonl_path(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}) + "\n")
+    prompts = load_workload(compose("bench", ["workload=gsm8k", f"workload.path={path}", "workload.num_prompts=2"]))
+    assert [p.messages[0]["content"] for p in prompts] == ["hi", "hi"]
+    assert prompts[0].answer is None
+    with pytest.raises(FileNotFoundError, match="workload.path="):
+        load_workload(compose("bench", ["workload=gsm8k", f"workload.path={tmp_path / 'nope.jsonl'}"]))
+
+
+def test_random_lengths_fixed_or_ranged_and_reproducible():
+    tok = VocabTokenizer()
+    cfg = compose("bench", ["workload=random", "workload.num_prompts=20", "workload.input_len=[5,9]",
+                            "workload.output_len=[16]"])
+    prompts = load_workload(cfg, tok)
+    assert all(5 <= len(p.token_ids) <= 9 for p in prompts) and len({len(p.token_ids) for p in prompts}) > 1
+    assert all(p.max_tokens == 16 and p.ignore_eos and p.messages is None for p in prompts)
+    assert all(t not in tok.all_special_ids for p in prompts for t in p.token_ids)
+    again = load_workload(cfg, tok)
+    assert [p.token_ids for p in again] == [p.token_ids for p in prompts]
+    other = load_workload(compose("bench", ["workload=random", "workload.seed=1", "workload.input_len=[5,9]"]), tok)
+    assert [p.token_ids for p in other] != [p.token_ids for p in prompts[:len(other)]]
+
+
+def test_random_max_tokens_override_and_bad_lengths():
+    tok = VocabTokenizer()
+    cfg = compose("bench", ["workload=random", "workload.max_tokens=32", "workload.input_len=[4]"])
+    assert {p.max_tokens for p in load_workload(cfg, tok)} == {32}
+    with pytest.raises(ValueError, match=r"workload.input_len=\[9, 5\]"):
+        load_workload(compose("bench", ["workload=random", "workload.input_len=[9,5]"]), tok)
