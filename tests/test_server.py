@@ -268,6 +268,17 @@ def test_a_disconnected_stream_is_aborted_and_returns_its_pages(server, client):
     assert load["kv_free_pages"] == load["kv_total_pages"] == total
 
 
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
+    before = server.get("/get_load").json()[0]["total_generated_tokens"]
+    with pytest.raises(httpx.TimeoutException):  # 240 tokens at 16 forwards a block take seconds
+        httpx.post(server.url + "/v1/completions", timeout=0.3,
+                   json={**GOOD, "prompt": "x", "max_tokens": 240, "threshold": 1.0, "ignore_eos": True})
+    assert wait_until(lambda: server.get("/get_load").json()[0]["num_reqs"] == 0, 30)
+    load = server.get("/get_load").json()[0]
+    assert load["kv_free_pages"] == load["kv_total_pages"]
+    assert load["total_generated_tokens"] - before < 240  # stopped early, not run to the end
+
+
 def test_fifty_concurrent_requests_all_complete(server):
     async def main():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)

@@ -21,7 +21,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
@@ -74,14 +74,13 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(err.detail), kind), status_code=err.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        # Only the API is guarded: the router and Prometheus probe /health and /metrics without keys.
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)",
-                                               "invalid_request_error", None, "invalid_api_key"), status_code=401)
-        return await call_next(request)
+    async def require_key(request: Request) -> None:
+        # A dependency, not a BaseHTTPMiddleware: that wrapper hides client disconnects from the
+        # handler. Only the API is guarded: routers and Prometheus probe /health and /metrics keyless.
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise ServerError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+    guarded = [Depends(require_key)]
 
     # ------------------------------------------------------------------ helpers
 
@@ -100,14 +99,14 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         except EngineDead as err:
             raise ServerError(503, str(err), type="server_error", code="engine_unavailable")
 
-    async def next_output(out_queue: asyncio.Queue, request: Request) -> Optional[RequestOutput | BaseException]:
-        """The next output, or None once the client has gone away."""
-        while True:
+    async def next_output(out_queue: asyncio.Queue, watch: "_ClientWatch") -> Optional[RequestOutput | BaseException]:
+        """The next output, or None once the client has gone away (checked even while outputs flow)."""
+        while not await watch.gone():
             try:
                 return await asyncio.wait_for(out_queue.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+                continue
+        return None
 
     async def run(request_id: str, prompt_ids: list[int], params: SamplingParams, body: Any, request: Request,
                   make_chunk, make_response) -> Response:
@@ -116,6 +115,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         arrival = time.perf_counter()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         out_queue = await submit(request_id, prompt_ids, params)
+        watch = _ClientWatch(request)
 
         def finish(last: RequestOutput, first_time: float) -> dict:
             metrics.observe_finished(first_time - arrival, time.perf_counter() - arrival,
@@ -129,7 +129,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                 if first is not None:
                     yield _sse(first)
                 while True:
-                    item = await next_output(out_queue, request)
+                    item = await next_output(out_queue, watch)
                     if item is None:
                         return  # client gone: `finally` aborts
                     if isinstance(item, BaseException):
@@ -159,7 +159,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         first_time, done = None, False
         try:
             while True:
-                item = await next_output(out_queue, request)
+                item = await next_output(out_queue, watch)
                 if item is None:
                     return Response(status_code=499)  # nobody reads it; `finally` aborts
                 if isinstance(item, BaseException):
@@ -175,13 +175,21 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
             if not done:  # also when this handler is cancelled
                 async_engine.abort(request_id)
 
+    def _max_tokens(asked: Optional[int], prompt_ids: list[int]) -> Optional[int]:
+        # Unset max_tokens means "the default, or whatever room is left" (as vLLM does), not a 400
+        # for a long prompt; an explicit value too large for the context stays the client's error.
+        if asked is not None:
+            return asked
+        room = async_engine.max_model_len - len(prompt_ids)
+        return min(cfg.model.max_new_tokens, room) if room >= 1 else None
+
     # ------------------------------------------------------------------ OpenAI endpoints
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompt_ids = _prompt_ids(tokenizer, body.prompt)
-        params = body.sampling_params(body.max_tokens)
+        params = body.sampling_params(_max_tokens(body.max_tokens, prompt_ids))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
 
@@ -203,11 +211,11 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
         return await run(request_id, prompt_ids, params, body, request, chunk, response)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         prompt_ids = _chat_prompt_ids(tokenizer, body)
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens)
+        params = body.sampling_params(_max_tokens(body.max_completion_tokens or body.max_tokens, prompt_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
 
@@ -233,7 +241,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
         return await run(request_id, prompt_ids, params, body, request, chunk, response)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": served_name, "object": "model", "created": created, "owned_by": "fluxlab",
@@ -321,6 +329,20 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     if not ids:
         raise ServerError(400, "messages give an empty prompt", param="messages")
     return ids
+
+
+class _ClientWatch:
+    """Asks the server whether the client is still connected, at most every _DISCONNECT_POLL_S."""
+
+    def __init__(self, request: Request):
+        self.request, self.last_check = request, time.monotonic()
+
+    async def gone(self) -> bool:
+        now = time.monotonic()
+        if now - self.last_check < _DISCONNECT_POLL_S:
+            return False
+        self.last_check = now
+        return await self.request.is_disconnected()
 
 
 class _Detokenizer:

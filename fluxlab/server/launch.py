@@ -82,13 +82,21 @@ class _Server:
 
 
 async def _run_uvicorn(server: Any, host: str) -> None:
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.02)
-    if server.started:
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]  # the real one when server.port=0
         _announce(host, port)
-    await task
+
+    watcher = asyncio.create_task(announce())
+    try:
+        await server.serve()
+    except SystemExit as err:  # uvicorn exits like this when it cannot bind; it logged why
+        print(f"fluxlab serve: could not listen on {host}:{server.config.port} (see the error above)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(err.code or 1) from None
+    finally:
+        watcher.cancel()
 
 
 # -------------------------------------------------------------------------------- replicas + router
