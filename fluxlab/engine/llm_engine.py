@@ -7,10 +7,9 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
-from omegaconf import DictConfig
 
 from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.decoding import advance, decode_step
@@ -20,6 +19,9 @@ from fluxlab.engine.request import (InvalidRequest, RequestOutput, RequestState,
                                     next_request_id)
 from fluxlab.engine.scheduler import Scheduler
 from fluxlab.engine.sequence import Request
+
+if TYPE_CHECKING:  # the engine runs on a bare torch machine: no hydra/omegaconf import at run time
+    from omegaconf import DictConfig
 
 log = logging.getLogger("fluxlab.engine")
 
@@ -94,7 +96,10 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager)
         self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
-                                  self.dtype, cfg.attention.backend)
+                                  self.dtype, cfg.attention.backend, self.max_model_len // self.block_length)
+        if cfg.attention.use_decode_cuda_graph:
+            self.runner.capture_decode_graphs(list(cfg.attention.cuda_graph_capture_bs),
+                                              cfg.attention.cuda_graph_decode_mode)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
         self.total_forwards = 0
@@ -117,7 +122,8 @@ class LLMEngine:
         eng = self.cfg.engine
         bl = self.block_length
         rows = self.cfg.scheduler.max_scheduled_tokens // bl
-        probe = ModelRunner(self.model, rows, bl, self.device, self.dtype, self.cfg.attention.backend)
+        probe = ModelRunner(self.model, rows, bl, self.device, self.dtype, self.cfg.attention.backend,
+                            self.max_model_len // bl)
         fake = []
         for r in range(rows):
             request = Request(f"warmup-{r}", [0] * bl, SamplingParams(max_new_tokens=1, steps=1), bl, 0, 0)

@@ -1,28 +1,83 @@
-"""The only owner of device tensors: weights, KV pages, the forward and the logits of active blocks."""
+"""The only owner of device tensors: weights, KV pages, CUDA graphs, the forward and the logits.
+
+Pure decode steps (every row runs exactly its active block) replay a CUDA graph captured for a
+fixed batch of B x block_length tokens when decode graphs are on; everything else runs eagerly.
+"""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import torch
 
-from fluxlab.engine.layers.attention import KVCache, SdpaAttention, build_metadata
+from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
 from fluxlab.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger("fluxlab.engine")
 
+Rows = list[tuple[int, int, list[int]]]
+
+
+class DecodeGraph:
+    """One captured forward of `batch_size` single-block rows; inputs are updated in place."""
+
+    def __init__(self, runner: "ModelRunner", batch_size: int, pool):
+        from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
+
+        bl, device = runner.block_length, runner.device
+        self.batch_size = batch_size
+        self.input_ids = torch.zeros(batch_size * bl, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch_size * bl, dtype=torch.long, device=device)
+        self.slots = torch.zeros(batch_size * bl, dtype=torch.long, device=device)
+        self.attention = FlashInferAttention(runner.cache, runner.model.config, device,
+                                             num_qo_heads=runner.num_qo_heads, num_kv_heads=runner.num_kv_heads,
+                                             graph_segments=batch_size,
+                                             graph_max_pages=batch_size * runner.max_blocks_per_seq)
+        self.attention.meta = AttentionMetadata(self.slots, [])
+        self.scratch_rows: Rows = [(0, 1, [runner.scratch_page])] * batch_size
+        self.attention.plan(self.scratch_rows)
+        self.slots.copy_(runner.scratch_slots.repeat(batch_size))
+        model = runner.model
+        for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
+            model.compute_logits(model(self.input_ids, self.positions, self.attention))
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.compute_logits(model(self.input_ids, self.positions, self.attention))
+
+    def replay(self, runner: "ModelRunner", ids: torch.Tensor, positions: torch.Tensor, rows: Rows) -> torch.Tensor:
+        n = len(rows) * runner.block_length
+        pad = self.batch_size - len(rows)
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slots[:n].copy_(build_metadata(rows, runner.block_length, runner.device, dense=False).slot_mapping)
+        if pad:
+            self.slots[n:].copy_(runner.scratch_slots.repeat(pad))
+        self.attention.plan(rows + self.scratch_rows[:pad])
+        self.graph.replay()
+        return self.logits[:n]
+
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, block_length: int, device: torch.device, dtype: torch.dtype,
-                 backend: str = "sdpa"):
+                 backend: str = "sdpa", max_blocks_per_seq: int = 64):
         cfg = model.config
         self.model = model
         self.block_length = block_length
         self.device = device
-        kv_heads = getattr(model, "num_local_kv_heads", cfg.num_key_value_heads)  # per TP rank
-        self.cache = KVCache(cfg.num_hidden_layers, num_pages, block_length, kv_heads,
-                             cfg.head_dim, dtype, device)
+        self.backend = backend
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_qo_heads = getattr(model, "num_local_heads", cfg.num_attention_heads)  # per TP rank
+        self.num_kv_heads = getattr(model, "num_local_kv_heads", cfg.num_key_value_heads)
+        # One page past the budget takes the K/V writes of padded graph rows.
+        self.cache = KVCache(cfg.num_hidden_layers, num_pages + 1, block_length, self.num_kv_heads, cfg.head_dim,
+                             dtype, device)
+        self.scratch_page = num_pages
+        self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
         self.attention = self._make_backend(backend)
+        self.graphs: dict[int, DecodeGraph] = {}
+        self.graph_mode = "padded"
 
     def _make_backend(self, backend: str):
         if backend == "sdpa":
@@ -30,32 +85,74 @@ class ModelRunner:
         if backend == "flashinfer":
             from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
 
-            return FlashInferAttention(self.cache, self.model.config, self.device)
+            return FlashInferAttention(self.cache, self.model.config, self.device,
+                                       num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads)
         raise ValueError(f"attention.backend={backend} is not available in this build; use sdpa or flashinfer")
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, mask_id: Optional[int] = None) -> Optional[torch.Tensor]:
+    def capture_decode_graphs(self, batch_sizes: list[int], mode: str = "padded") -> None:
+        """Capture one decode graph per batch size (largest first, sharing one memory pool)."""
+        if self.backend != "flashinfer":
+            raise ValueError("decode CUDA graphs need attention.backend=flashinfer")
+        self.graph_mode = mode
+        started = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for batch_size in sorted(batch_sizes, reverse=True):
+            self.graphs[batch_size] = DecodeGraph(self, batch_size, pool)
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        log.info("captured %d decode graphs %s (%s) in %.1f s using %.2f GiB", len(self.graphs), sorted(self.graphs),
+                 mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
+
+    def _graph_chunks(self, num_rows: int) -> Optional[list[int]]:
+        """Captured sizes to run `num_rows` rows with: one padded size, or a decomposition."""
+        sizes = sorted(self.graphs)
+        if not sizes or num_rows > sizes[-1] and self.graph_mode == "padded":
+            return None
+        if self.graph_mode == "padded":
+            return [next(s for s in sizes if s >= num_rows)]
+        chunks, left = [], num_rows
+        while left:
+            fit = [s for s in sizes if s <= left]
+            size = fit[-1] if fit else sizes[0]
+            chunks.append(size)
+            left -= min(size, left)
+        return chunks
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> Optional[torch.Tensor]:
         """One forward over every row; logits [rows that decode, block_length, vocab] in fp32."""
         bl = self.block_length
-        input_ids, positions, logit_index = [], [], []
+        rows: Rows = [(r.first_block, r.num_blocks, r.request.page_table) for r in batch.rows]
+        token_lists, positions, logit_index = [], [], []
         offset = 0
         for row in batch.rows:
-            request = row.request
             start = row.first_block * bl
-            end = start + row.num_blocks * bl
-            input_ids.extend(request.tokens[start:end])
-            positions.append(torch.arange(start, end))
+            length = row.num_blocks * bl
+            token_lists.extend(row.request.tokens[start:start + length])
+            positions.append(torch.arange(start, start + length))
             if row.decodes:
-                logit_index.append(torch.arange(offset + end - start - bl, offset + end - start))
-            offset += end - start
-        meta = build_metadata([(r.first_block, r.num_blocks, r.request.page_table) for r in batch.rows], bl,
-                              self.device)
-        self.attention.begin(meta)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
+                logit_index.append(torch.arange(offset + length - bl, offset + length))
+            offset += length
+        ids = torch.tensor(token_lists, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.cat(positions).to(self.device, non_blocking=True)
+        pure_decode = all(r.decodes and r.num_blocks == 1 for r in batch.rows)
+        chunks = self._graph_chunks(len(rows)) if pure_decode and self.graphs else None
+        if chunks is not None:
+            logits, done = [], 0
+            for size in chunks:
+                take = min(size, len(rows) - done)
+                part = self.graphs[size].replay(self, ids[done * bl:(done + take) * bl],
+                                                pos[done * bl:(done + take) * bl], rows[done:done + take])
+                # Graphs share one memory pool: copy a chunk out before the next replay reuses it.
+                logits.append(part.clone() if len(chunks) > 1 else part)
+                done += take
+            out = torch.cat(logits) if len(logits) > 1 else logits[0]
+            return out.view(-1, bl, out.shape[-1])
+        self.attention.begin(build_metadata(rows, bl, self.device, dense=self.backend == "sdpa"))
         hidden = self.model(ids, pos, self.attention)
         if not logit_index:
             return None
-        rows = torch.cat(logit_index).to(self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[torch.cat(logit_index).to(self.device)])
         return logits.view(-1, bl, logits.shape[-1])

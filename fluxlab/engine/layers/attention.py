@@ -20,57 +20,49 @@ class AttentionMetadata:
     """Per-forward tensors on the engine's device, built once and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] cache slot (page * block_length + offset) of each query token
-    page_indices: torch.Tensor  # [R, P] pages of each row's window (padded with page 0)
-    kv_lens: torch.Tensor  # [R] tokens in each row's window
-    query_gather: torch.Tensor  # [R, Q] index into the flat query tokens (padding -> 0)
-    query_scatter: torch.Tensor  # [T] index into the flat [R * Q] padded queries
-    mask: torch.Tensor  # [R, 1, Q, P * block_length] True = may attend
-    # Host-side shape of the forward, for backends that plan per step (FlashInfer) and CUDA graphs.
-    qo_lens: list[int]
-    first_blocks: list[int]
-    page_tables: list[list[int]]
+    rows: list[tuple[int, int, list[int]]]  # host shape: (first_block, num_blocks, page_table) per row
+    # sdpa only (dense padded view of the batch):
+    page_indices: Optional[torch.Tensor] = None  # [R, P] pages of each row's window (padded with page 0)
+    query_gather: Optional[torch.Tensor] = None  # [R, Q] index into the flat query tokens (padding -> 0)
+    query_scatter: Optional[torch.Tensor] = None  # [T] index into the flat [R * Q] padded queries
+    mask: Optional[torch.Tensor] = None  # [R, 1, Q, P * block_length] True = may attend
 
 
-def build_metadata(rows: list[tuple[int, int, list[int]]], block_length: int, device: torch.device) -> AttentionMetadata:
-    """rows: (first_block, num_blocks, page_table) per row, in batch order."""
+def slot_mapping(rows: list[tuple[int, int, list[int]]], block_length: int) -> torch.Tensor:
+    pages = torch.tensor([p for first, n, table in rows for p in table[first:first + n]], dtype=torch.long)
+    return (pages[:, None] * block_length + torch.arange(block_length)).flatten()
+
+
+def build_metadata(rows: list[tuple[int, int, list[int]]], block_length: int, device: torch.device,
+                   dense: bool = True) -> AttentionMetadata:
+    """rows: (first_block, num_blocks, page_table) per row, in batch order. `dense` adds the padded
+    gather/mask tensors the sdpa backend needs."""
+    meta = AttentionMetadata(slot_mapping(rows, block_length).to(device, non_blocking=True), rows)
+    if not dense:
+        return meta
     bl = block_length
     num_rows = len(rows)
-    max_q = max(n for _, n, _ in rows) * bl
-    max_pages = max(first + n for first, n, _ in rows)
-    slots, gather, scatter = [], [], []
+    q_lens = torch.tensor([n * bl for _, n, _ in rows])
+    windows = torch.tensor([first + n for first, n, _ in rows])
+    max_q, max_pages = int(q_lens.max()), int(windows.max())
     page_idx = torch.zeros(num_rows, max_pages, dtype=torch.long)
-    kv_lens, qo_lens = [], []
-    q_block = torch.full((num_rows, max_q), -1, dtype=torch.long)
-    offset = 0
-    for r, (first, n, pages) in enumerate(rows):
-        window = first + n
-        page_idx[r, :window] = torch.tensor(pages[:window])
-        kv_lens.append(window * bl)
-        qo_lens.append(n * bl)
-        for j in range(n):
-            page = pages[first + j]
-            slots.append(torch.arange(page * bl, (page + 1) * bl))
-            q_block[r, j * bl:(j + 1) * bl] = first + j
-        gather.append(torch.cat([torch.arange(offset, offset + n * bl),
-                                 torch.zeros(max_q - n * bl, dtype=torch.long)]))
-        scatter.append(torch.arange(r * max_q, r * max_q + n * bl))
-        offset += n * bl
-    key_block = (torch.arange(max_pages * bl) // bl)[None, None, :]
-    kv_len_t = torch.tensor(kv_lens)
-    key_valid = torch.arange(max_pages * bl)[None, None, :] < kv_len_t[:, None, None]
-    mask = (key_block <= q_block[:, :, None]) & key_valid
-    mask[:, :, 0] |= q_block < 0  # padded queries see one key so softmax stays finite
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device),
-        page_indices=page_idx.to(device),
-        kv_lens=kv_len_t.to(device),
-        query_gather=torch.stack(gather).to(device),
-        query_scatter=torch.cat(scatter).to(device),
-        mask=mask[:, None].to(device),
-        qo_lens=qo_lens,
-        first_blocks=[first for first, _, _ in rows],
-        page_tables=[list(pages[: first + n]) for first, n, pages in rows],
-    )
+    for r, (first, n, table) in enumerate(rows):
+        page_idx[r, :first + n] = torch.tensor(table[:first + n])
+    q_offsets = torch.cumsum(q_lens, 0) - q_lens
+    q_pos = torch.arange(max_q)[None, :]
+    q_valid = q_pos < q_lens[:, None]
+    gather = torch.where(q_valid, q_offsets[:, None] + q_pos, 0)
+    scatter = (torch.arange(num_rows)[:, None] * max_q + q_pos)[q_valid]
+    first_block = torch.tensor([first for first, _, _ in rows])
+    q_block = torch.where(q_valid, first_block[:, None] + q_pos // bl, -1)
+    key = torch.arange(max_pages * bl)[None, None, :]
+    mask = ((key // bl) <= q_block[:, :, None]) & (key < (windows * bl)[:, None, None])
+    mask[:, :, 0] |= ~q_valid  # padded queries see one key so softmax stays finite
+    meta.page_indices = page_idx.to(device)
+    meta.query_gather = gather.to(device)
+    meta.query_scatter = scatter.to(device)
+    meta.mask = mask[:, None].to(device)
+    return meta
 
 
 class AttentionBackend(Protocol):

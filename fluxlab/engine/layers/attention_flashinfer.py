@@ -1,0 +1,75 @@
+"""FlashInfer paged attention with released APIs only (no block-extend mode needed).
+
+Every query block is planned as its own segment over pages 0 .. that block, non-causal: a block
+sees its prefix and itself bidirectionally, which is exactly the block-causal rule, so multi-block
+rows (prefill chunks, commit + next block) need no custom mask. K/V of every query token is
+written to its page before attention (the same contract as the sdpa backend).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
+
+WORKSPACE_BYTES = 256 * 2**20
+
+
+def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int):
+    """Host CSR arrays for FlashInfer: one segment per query block, kv = pages 0..block."""
+    qo_indptr, kv_indptr, kv_indices = [0], [0], []
+    for first, n, pages in meta_rows:
+        for j in range(n):
+            window = first + j + 1
+            kv_indices.extend(pages[:window])
+            qo_indptr.append(qo_indptr[-1] + block_length)
+            kv_indptr.append(kv_indptr[-1] + window)
+    return qo_indptr, kv_indptr, kv_indices
+
+
+class FlashInferAttention:
+    def __init__(self, cache: KVCache, model_config, device: torch.device, *, num_qo_heads: Optional[int] = None,
+                 num_kv_heads: Optional[int] = None, graph_segments: int = 0, graph_max_pages: int = 0):
+        import flashinfer
+
+        self.cache = cache
+        self.block_length = cache.block_length
+        self.num_qo_heads = num_qo_heads or model_config.num_attention_heads
+        self.num_kv_heads = num_kv_heads or model_config.num_key_value_heads
+        self.head_dim = model_config.head_dim
+        self.device = device
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.graph_segments = graph_segments
+        if graph_segments:
+            # Fixed buffers: plan() rewrites them in place before each replay of a captured graph.
+            self.buffers = dict(
+                qo_indptr_buf=torch.zeros(graph_segments + 1, dtype=torch.int32, device=device),
+                paged_kv_indptr_buf=torch.zeros(graph_segments + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buf=torch.zeros(graph_max_pages, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buf=torch.zeros(graph_segments, dtype=torch.int32, device=device))
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True,
+                                                                          **self.buffers)
+        else:
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.meta: Optional[AttentionMetadata] = None
+
+    def plan(self, rows: list[tuple[int, int, list[int]]]) -> None:
+        """Host-side scheduling of the next forward (outside any CUDA graph)."""
+        qo_indptr, kv_indptr, kv_indices = segments(rows, self.block_length)
+        num_segments = len(qo_indptr) - 1
+        i32 = dict(dtype=torch.int32)
+        self.wrapper.plan(
+            torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), torch.tensor(kv_indices, **i32).to(self.device),
+            torch.full((num_segments,), self.block_length, **i32),
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_length,
+            causal=False, sm_scale=self.head_dim ** -0.5,
+            q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self.plan(meta.rows)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+        return self.wrapper.run(q.contiguous(), (self.cache.k[layer_idx], self.cache.v[layer_idx]))
