@@ -90,6 +90,26 @@ def _tiny_special_ids() -> dict[str, int]:
     return {t["content"]: t["id"] for t in spec["added_tokens"]}
 
 
+def preset_checkpoint_config(preset: str, dtype: str = "float32") -> tuple[dict, dict[str, int]]:
+    """(config.json dict, special token ids) that `write_checkpoint(preset)` writes.
+
+    tiny: vocab = its trained tokenizer (specials right after the BPE vocab); published presets:
+    their vocab (157184) with the released mask/eos ids.
+    """
+    from fluxlab.engine.loader import resolve_dtype
+    from fluxlab.engine.presets import preset_config
+
+    cfg = preset_config(preset)
+    if preset == "tiny":
+        special_ids = _tiny_special_ids()
+        cfg["vocab_size"] = max(special_ids.values()) + 1
+    else:
+        special_ids = dict(_RELEASED_SPECIAL_IDS)
+    cfg["pad_token_id"] = special_ids["<|endoftext|>"]
+    cfg["torch_dtype"] = str(resolve_dtype(dtype)).removeprefix("torch.")
+    return cfg, special_ids
+
+
 def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str = "float32",
                      shard: bool | None = None) -> Path:
     """Write config.json, safetensors (sharded with an index when large or `shard=True`),
@@ -102,21 +122,13 @@ def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str =
 
     from fluxlab.engine.loader import checkpoint_layout, random_tensors, resolve_dtype
     from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
-    from fluxlab.engine.presets import preset_config
 
     if out is None:
         raise ValueError("write_checkpoint: out= (a directory) is required")
     out = Path(out)
-    cfg = preset_config(preset)
     torch_dtype = resolve_dtype(dtype)
     tiny = preset == "tiny"
-    if tiny:
-        special_ids = _tiny_special_ids()
-        cfg["vocab_size"] = max(special_ids.values()) + 1
-    else:
-        special_ids = dict(_RELEASED_SPECIAL_IDS)
-    cfg["pad_token_id"] = special_ids["<|endoftext|>"]
-    cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    cfg, special_ids = preset_checkpoint_config(preset, dtype)
     config = LLaDA2MoeConfig.from_dict(cfg)
 
     out.mkdir(parents=True, exist_ok=True)

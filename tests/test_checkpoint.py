@@ -177,3 +177,27 @@ def test_random_model_of_published_shape_builds_on_meta_free_path():
     f = LLaDA2MoeConfig.from_dict(preset_config("llada2_flash"))
     total = sum(s.shape[0] * (s.shape[1] if len(s.shape) > 1 else 1) for s in checkpoint_layout(f).values())
     assert 100e9 < total < 104e9  # LLaDA2.0-flash: 100B parameters
+
+
+def test_build_random_tiny_equals_the_written_checkpoint(tiny_model):
+    model, config = tiny_model
+    built, built_config = build_random_model("tiny", torch.float32, "cpu", seed=0)
+    assert built_config == config
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), built.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_published_presets_use_released_special_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    from fluxlab.checkpoint import _RELEASED_SPECIAL_IDS, _tokenizer_files, preset_checkpoint_config
+
+    cfg, ids = preset_checkpoint_config("llada2_mini", "bfloat16")
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (157184, 2048, 20)
+    assert cfg["pad_token_id"] == 156892 and cfg["torch_dtype"] == "bfloat16"
+    for name, text in _tokenizer_files(_RELEASED_SPECIAL_IDS, 32768).items():
+        (tmp_path / name).write_text(text)
+    assert special_token_ids(tmp_path) == (156895, 156892, 156892)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), trust_remote_code=False)
+    assert tok.mask_token_id == 156895 and tok.eos_token_id == 156892
+    assert tok("hi<|mask|>", add_special_tokens=False).input_ids[-1] == 156895

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeModel
-from fluxlab.engine.presets import EOS_TOKEN_ID, MASK_TOKEN_ID, preset_config
+from fluxlab.engine.presets import EOS_TOKEN_ID, MASK_TOKEN_ID
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -224,27 +224,32 @@ def random_tensors(c: LLaDA2MoeConfig, seed: int = 0, *, peaked: bool = False, s
         yield name, t
 
 
-def _as_config(preset_or_config) -> LLaDA2MoeConfig:
-    if isinstance(preset_or_config, LLaDA2MoeConfig):
-        return preset_or_config
-    if isinstance(preset_or_config, dict):
-        return LLaDA2MoeConfig.from_dict(preset_or_config)
-    d = preset_config(preset_or_config)
-    if d.get("vocab_size") is None:  # tiny: vocab set by its tokenizer; use a stand-in size
-        d["vocab_size"], d["pad_token_id"] = 2048, 0
-    return LLaDA2MoeConfig.from_dict(d)
-
-
-def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed: int = 0, peaked: bool = False,
+def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed: int = 0, peaked: bool | None = None,
                        special_ids: dict | None = None):
-    """Random weights of a preset (name, config dict or LLaDA2MoeConfig) built directly on
-    `device`, no file: std 0.02 projections and unit norms by default. -> (model, config)."""
-    config = _as_config(preset_or_config)
+    """Random weights built directly on `device`, no file. -> (model, config)
+
+    `preset_or_config`: a preset name, a config.json dict or an LLaDA2MoeConfig. Published shapes
+    get std 0.02 projections and unit norms (flat logits: every step accepts exactly the scheduled
+    k). The preset "tiny" is built exactly as `fluxlab checkpoint preset=tiny` writes it (same
+    vocab, peaked weights, same values for the same seed on CPU).
+    """
+    if isinstance(preset_or_config, LLaDA2MoeConfig):
+        config = preset_or_config
+    elif isinstance(preset_or_config, dict):
+        config = LLaDA2MoeConfig.from_dict(preset_or_config)
+    else:
+        from fluxlab.checkpoint import preset_checkpoint_config
+
+        cfg, ids = preset_checkpoint_config(preset_or_config)
+        config = LLaDA2MoeConfig.from_dict(cfg)
+        if preset_or_config == "tiny":
+            peaked = True if peaked is None else peaked
+            special_ids = special_ids or {"mask": ids["<|mask|>"], "eos": ids["<|endoftext|>"]}
     dtype = resolve_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = LLaDA2MoeModel(config, dtype=dtype, device=device).eval()
     assign = _Assigner(model)
-    for name, t in random_tensors(config, seed, peaked=peaked, special_ids=special_ids, device=device):
+    for name, t in random_tensors(config, seed, peaked=bool(peaked), special_ids=special_ids, device=device):
         assign(name, t)
     assign.finish()
     return model, config
