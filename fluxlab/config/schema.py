@@ -21,6 +21,7 @@ class EngineConfig:
     kv_cache_layout: str = "paged"  # paged | dense
     page_size: Optional[int] = None  # null -> decoding.block_length
     cpu_kv_cache_gb: float = 1.0  # KV budget when the engine runs on CPU (no memory profiling there)
+    moe_backend: str = "auto"  # CUDA: auto | grouped_mm (torch._grouped_mm) | triton (fluxlab/kernels); torch = loop
 
 
 @dataclass

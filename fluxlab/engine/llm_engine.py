@@ -80,6 +80,11 @@ class LLMEngine:
                                                                seed=cfg.engine.seed)
         else:
             self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
+        from fluxlab.engine.layers.moe import StackedExperts
+
+        for module in self.model.modules():
+            if isinstance(module, StackedExperts):
+                module.backend = cfg.engine.moe_backend
         self.mask_id, self.eos_id, _ = special_token_ids(model_dir) if model_dir else special_token_ids("")
         self.block_length = cfg.decoding.block_length
         self.max_model_len = cfg.model.max_model_len

@@ -65,8 +65,13 @@ _TINY = {
     "torch_dtype": "float32", "vocab_size": None, "pad_token_id": None,
 }
 
+# GPU tests: the real head geometry (head_dim 128, GQA 16/4, 256 experts, vocab) at 2 layers.
+_SMALL = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 16, "max_window_layers": 2}
+
 PRESETS = {
     "tiny": {**_COMMON, **_TINY},
+    "small": {**_COMMON, **_SMALL},
     "llada2_mini": {**_COMMON, **_MINI},
     "llada2_flash": {**_COMMON, **_FLASH},
     "llada21_mini": {**_COMMON, **_MINI},

@@ -100,7 +100,15 @@ class StackedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
                                                dtype=dtype, device=device), requires_grad=False)
 
+    backend = "auto"  # engine.moe_backend: auto | grouped_mm | triton | torch
+
     def forward(self, x, topk_idx, topk_weight):
+        if x.is_cuda and self.backend != "torch":
+            # Sync-free paths (CUDA-graph capturable); auto = grouped_mm, the faster one measured on H200.
+            from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe
+
+            kernel = fused_moe if self.backend == "triton" else grouped_mm_moe
+            return kernel(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
         return moe_forward(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
 
 

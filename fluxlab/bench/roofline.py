@@ -1,0 +1,200 @@
+"""Decode-step micro-benchmark against the roofline floor (GPU).
+
+    python -m fluxlab.bench.roofline [--preset llada2_mini] [--batch-sizes 1,8,16,32,64]
+        [--variants sdpa,flashinfer,flashinfer+graph] [--reference]
+
+Builds random bf16 weights of a preset on the GPU, measures the two ceilings (HBM copy bandwidth,
+bf16 matmul rate) in the same run, then for each variant and batch size runs GSM8K-style prompts
+to 256 output tokens at block 32, decoding.steps=8 (random weights never pass the threshold, so
+every step accepts exactly 4 tokens and runs are comparable) and reports ms per pure decode
+forward, its floor and output tokens/s. Writes JSON to --out (or $OUT/roofline.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fluxlab.engine.request import SamplingParams
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Copy bandwidth (read + write bytes / s) and dense bf16 matmul FLOP/s on this GPU."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    copy_s = timed(lambda: dst.copy_(src), 20)
+    mm_s = timed(lambda: a @ b, 20)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"hbm_bytes_per_s": 2 * 2 * 2**30 / copy_s, "bf16_flops_per_s": 2 * 8192**3 / mm_s}
+
+
+def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict) -> dict:
+    """Bytes a decode forward must read (weights it touches + cached K/V) and FLOPs it must do."""
+    c = config
+    h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn = h * (heads + 2 * kv) * d + heads * d * h
+    dense_mlp = 3 * h * c.intermediate_size
+    expert = 3 * h * c.moe_intermediate_size
+    shared = expert * c.num_shared_experts
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    dense_layers = c.num_hidden_layers - moe_layers
+    tokens = batch * block
+    # Distinct experts hit per layer if routing spreads tokens uniformly (random weights do, nearly).
+    hit = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
+    weight_params = (c.num_hidden_layers * attn + dense_layers * dense_mlp
+                     + moe_layers * (shared + hit * expert + h * c.num_experts) + c.vocab_size * h)
+    kv_bytes = batch * context_tokens * c.num_hidden_layers * 2 * kv * d * 2
+    active = (c.num_hidden_layers * attn + dense_layers * dense_mlp
+              + moe_layers * (shared + c.num_experts_per_tok * expert) + c.vocab_size * h)
+    flops = 2 * active * tokens + 4 * batch * block * context_tokens * heads * d * c.num_hidden_layers
+    memory_s = (2 * weight_params + kv_bytes) / ceilings["hbm_bytes_per_s"]
+    compute_s = flops / ceilings["bf16_flops_per_s"]
+    return {"floor_ms": 1e3 * max(memory_s, compute_s), "memory_ms": 1e3 * memory_s, "compute_ms": 1e3 * compute_s}
+
+
+def gsm8k_prompts(tokenizer, count: int) -> list[list[int]]:
+    from fluxlab.bench.workload import sample_jsonl_path as sample_path
+
+    prompts = []
+    with open(sample_path()) as f:
+        for line in f:
+            messages = json.loads(line)["messages"]
+            prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False)))
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int) -> dict:
+    """All prompts at once; time every forward, split pure decode steps from the rest."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, steps=steps, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    decode_ms, other_ms, outputs = [], [], 0
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        rows = engine.scheduler.running
+        pure = bool(rows) and not engine.scheduler.waiting and all(
+            r.num_cached_blocks == r.active_block and (r.step_in_block > 0) for r in rows)
+        t0 = time.perf_counter()
+        for out in engine.step():
+            outputs += len(out.new_token_ids)
+        torch.cuda.synchronize()
+        (decode_ms if pure else other_ms).append(1e3 * (time.perf_counter() - t0))
+    elapsed = time.perf_counter() - started
+    return {"decode_ms_median": statistics.median(decode_ms) if decode_ms else None,
+            "other_ms_median": statistics.median(other_ms) if other_ms else None,
+            "forwards": len(decode_ms) + len(other_ms), "output_tokens": outputs,
+            "output_tok_s": outputs / elapsed, "elapsed_s": elapsed}
+
+
+def main() -> None:
+    from fluxlab.config import compose, validate_config
+    from fluxlab.engine.llm_engine import LLMEngine
+    from fluxlab.engine.model_runner import ModelRunner
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llada2_mini")
+    ap.add_argument("--batch-sizes", default="1,8,16,32,64")
+    ap.add_argument("--variants", default="sdpa,flashinfer,flashinfer+graph")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--reference", action="store_true", help="also time the reference generate at batch 1")
+    ap.add_argument("--moe-backend", default=None)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
+    args = ap.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_bs = max(sizes)
+    overrides = [f"model={args.preset}", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
+                 f"decoding.block_length={args.block}", f"decoding.steps={args.steps}", "attention=sdpa",
+                 f"scheduler.max_num_seqs={max_bs}", f"scheduler.max_scheduled_tokens={max_bs * args.block * 2}",
+                 "model.max_model_len=1024"]
+    if args.moe_backend:
+        overrides.append(f"engine.moe_backend={args.moe_backend}")
+    cfg = compose("generate", overrides)
+    validate_config(cfg)
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    print(f"ceilings: HBM copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    print(f"engine built in {time.perf_counter() - t0:.1f} s ({engine.kv_total_pages} KV pages)", flush=True)
+    prompts = gsm8k_prompts(engine.tokenizer, max_bs)
+    mean_prompt = statistics.mean(len(p) for p in prompts)
+    results = {"ceilings": ceilings, "preset": args.preset, "gpu": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "rows": []}
+    for variant in args.variants.split(","):
+        backend = variant.split("+")[0]
+        try:
+            engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
+                                        engine.dtype, backend, engine.max_model_len // engine.block_length)
+            if variant.endswith("+graph"):
+                t0 = time.perf_counter()
+                engine.runner.capture_decode_graphs(sizes, "padded")
+                print(f"{variant}: captured {sizes} in {time.perf_counter() - t0:.1f} s", flush=True)
+            run_batch(engine, prompts[:1], 64, args.steps)  # warm-up (JIT, allocator)
+            for bs in sizes:
+                stats = run_batch(engine, prompts[:bs], args.max_new_tokens, args.steps)
+                context = mean_prompt + args.max_new_tokens / 2
+                floor = decode_floor(engine.model_config, bs, args.block, context, ceilings)
+                row = {"variant": variant, "batch": bs, **stats, **floor}
+                row["ratio"] = row["decode_ms_median"] / floor["floor_ms"] if row["decode_ms_median"] else None
+                results["rows"].append(row)
+                print(f"{variant:>18} bs={bs:>3}: decode {row['decode_ms_median']:.2f} ms (floor {floor['floor_ms']:.2f}, "
+                      f"x{row['ratio']:.2f}), other {row['other_ms_median']:.2f} ms, {row['output_tok_s']:.0f} tok/s",
+                      flush=True)
+        except Exception as err:  # one broken variant must not hide the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            results["rows"].append({"variant": variant, "error": repr(err)})
+        engine.runner = None
+        torch.cuda.empty_cache()
+    if args.reference:
+        from fluxlab.engine.reference import reference_generate
+
+        t0 = time.perf_counter()
+        ref = reference_generate(engine.model, prompts[0], mask_id=engine.mask_id, eos_id=engine.eos_id,
+                                 block_length=args.block, steps=args.steps, max_new_tokens=args.max_new_tokens,
+                                 ignore_eos=True)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        results["reference"] = {"output_tok_s": len(ref.token_ids) / elapsed, "forwards": ref.forwards,
+                                "elapsed_s": elapsed}
+        print(f"reference generate bs=1: {len(ref.token_ids) / elapsed:.1f} tok/s ({ref.forwards} forwards)")
+    print("\n| variant | batch | ms/decode fwd | floor ms | x floor | other fwd ms | out tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for row in results["rows"]:
+        if "error" in row:
+            print(f"| {row['variant']} | - | error: {row['error'][:60]} | | | | |")
+            continue
+        print(f"| {row['variant']} | {row['batch']} | {row['decode_ms_median']:.2f} | {row['floor_ms']:.2f} | "
+              f"{row['ratio']:.2f} | {row['other_ms_median']:.2f} | {row['output_tok_s']:.0f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
