@@ -88,3 +88,17 @@ def test_a_replica_that_dies_stops_serve_with_a_clear_error(tmp_path):
         assert wait_until(lambda: not pid_alive(workers[0][1]) and not pid_alive(router_pid(server)), 30)
     finally:
         server.kill()
+
+
+def test_replica_overrides_outside_hydra_compose_to_the_same_run():
+    """serve(cfg) called from Python (no Hydra run) pins every resolved key for its replicas."""
+    from fluxlab.config import compose, validate_config
+    from fluxlab.server.launch import _worker_overrides
+
+    cfg = compose("serve", TINY + ["parallel=dp2", "decoding.threshold=0.7", "server.worker_urls=[http://h:1]"])
+    validate_config(cfg, cuda_available=False)
+    replica = compose("serve", _worker_overrides(cfg))
+    validate_config(replica, cuda_available=False)
+    assert replica.parallel.dp_size == 1 and replica.server.port == 0 and list(replica.server.worker_urls) == []
+    assert replica.decoding.threshold == 0.7 and replica.engine.dtype == "float32"
+    assert replica.attention.cuda_graph_capture_sizes == cfg.attention.cuda_graph_capture_sizes
