@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import zlib
 from pathlib import Path
 from typing import Iterator
