@@ -75,7 +75,7 @@ def _tokenizer(cfg: DictConfig) -> Any:
 def _run_online(cfg: DictConfig, job: Job, prompts: list[BenchPrompt], outcome: Outcome) -> tuple[list, float]:
     from fluxlab.bench.online import run_online
 
-    url = cfg.bench.url
+    url, model = cfg.bench.url, cfg.server.served_model_name
     if url is None:
         from fluxlab.bench.server_process import acquire_server
 
@@ -83,9 +83,23 @@ def _run_online(cfg: DictConfig, job: Job, prompts: list[BenchPrompt], outcome: 
         url, log_start = server.url, server.log_size() if reused else 0
         outcome.facts.update(server_pid=server.pid, server_reused=reused)
         outcome.facts["_server"] = (server, log_start)
-    outcome.facts["url"] = url
-    return run_online(url, prompts, cfg.server.served_model_name, request_knobs(cfg), cfg.bench,
-                      seed=cfg.workload.seed, api_key=cfg.server.api_key)
+    else:
+        model = _served_model(url, cfg.server.api_key) or model
+    outcome.facts.update(url=url, served_model=model)
+    return run_online(url, prompts, model, request_knobs(cfg), cfg.bench, seed=cfg.workload.seed,
+                      api_key=cfg.server.api_key)
+
+
+def _served_model(url: str, api_key: Optional[str]) -> Optional[str]:
+    """The model an external server serves (its name need not match this config's model group)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        models = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"]
+        return models[0]["id"] if models else None
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
 
 
 def _save_server_log(job: Job, outcome: Outcome) -> None:
@@ -127,7 +141,7 @@ def _execute(cfg: DictConfig, job: Job, outcome: Outcome) -> None:
 def _write_files(cfg: DictConfig, job: Job, outcome: Outcome, status: str, error: str, run_id: Optional[str]) -> None:
     job.out_dir.mkdir(parents=True, exist_ok=True)
     config_path = job.out_dir / "resolved_config.yaml"
-    config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    config_path.write_text(OmegaConf.to_yaml(tracking.public_config(cfg)))
     outcome.artifacts.append(config_path)
     if outcome.records:
         csv_path = job.out_dir / "requests.csv"
@@ -136,17 +150,17 @@ def _write_files(cfg: DictConfig, job: Job, outcome: Outcome, status: str, error
     line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "name": job.name, "status": status, "error": error,
             "mode": cfg.bench.mode, "workload": cfg.workload.name, "overrides": job.overrides,
             "mlflow_run_id": run_id, **{k: v for k, v in outcome.facts.items() if not k.startswith("_")},
-            **outcome.metrics, "config": OmegaConf.to_container(cfg, resolve=True)}
+            **outcome.metrics, "config": tracking.public_config(cfg)}
     for folder in {job.out_dir, job.sweep_dir} - {None}:
         with open(folder / cfg.bench.result_file, "a") as results:
             results.write(json.dumps(line) + "\n")
 
 
-def print_table(name: str, metrics: dict[str, float]) -> None:
+def print_table(title: str, metrics: dict[str, float]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fluxlab bench {name}"[:80], show_header=True)
+    table = Table(title=title, show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in HEADLINE:
@@ -191,5 +205,6 @@ def run_bench(cfg: DictConfig) -> dict:
         if not job.multirun or not isinstance(failure, Exception):
             raise failure
         return {"status": status, "error": error}
-    print_table(job.name, outcome.metrics)
+    title = f"fluxlab bench ({cfg.bench.mode}, {cfg.workload.name})"
+    print_table(f"{title}: {job.name}" if job.multirun else title, outcome.metrics)
     return {"status": status, **outcome.metrics}

@@ -77,7 +77,7 @@ class ServerProcess:
         self._log_file = open(log_path, "ab")
         command = [sys.executable, "-m", "fluxlab", "serve", *overrides, "server.host=127.0.0.1",
                    "server.port=0", f"hydra.run.dir={_hydra_value(str(log_path.parent / 'serve'))}"]
-        log.info("starting server: %s", " ".join(command))
+        log.info("starting server: %s", " ".join(re.sub(r"(api_key=)(?!null$).+", r"\1***", c) for c in command))
         # Its own session, so stop() can end the server's workers too (TP ranks, router) by group id.
         self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -51,6 +51,16 @@ def experiment_id(mlflow_client: Any, tracking: DictConfig) -> str:
     return mlflow_client.create_experiment(tracking.experiment, artifact_location=artifact_location(tracking))
 
 
+def public_config(cfg: DictConfig) -> dict:
+    """The resolved config as plain data, with secrets (server.api_key) masked: it goes to shared stores."""
+    def mask(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: "***" if str(k).endswith("api_key") and v else mask(v) for k, v in node.items()}
+        return [mask(v) for v in node] if isinstance(node, list) else node
+
+    return mask(OmegaConf.to_container(cfg, resolve=True))
+
+
 def flatten_params(cfg: DictConfig) -> dict[str, str]:
     """The resolved config as `group.key -> value` strings, cut to MLflow's value length limit."""
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
@@ -64,7 +74,7 @@ def flatten_params(cfg: DictConfig) -> dict[str, str]:
         else:
             flat[prefix] = str(node)[:MAX_PARAM_VAL_LENGTH]
 
-    walk("", OmegaConf.to_container(cfg, resolve=True))
+    walk("", public_config(cfg))
     return flat
 
 
