@@ -1,4 +1,6 @@
-"""Custom kernels (Triton). Importable without triton: check `fused_moe.HAVE_TRITON`."""
-from fluxlab.kernels.fused_moe import HAVE_TRITON, MoEConfig, default_config, fused_moe, grouped_mm_moe, moe_align
+"""Custom kernels (Triton).
 
-__all__ = ["HAVE_TRITON", "MoEConfig", "default_config", "fused_moe", "grouped_mm_moe", "moe_align"]
+Import from the submodules, e.g. `from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe`
+(this package re-exports nothing, so `fluxlab.kernels.fused_moe` stays the module and importing the
+package does not import triton). `fused_moe.HAVE_TRITON` says whether the Triton path is usable.
+"""

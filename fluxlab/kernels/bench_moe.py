@@ -84,9 +84,9 @@ def _sweep_configs():
     from fluxlab.kernels.fused_moe import MoEConfig
     out = []
     for bm in (16, 32, 64):
-        for bn, bk, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8)):
-            out.append(MoEConfig(BLOCK_M=bm, BLOCK_N1=bn, BLOCK_K1=bk, WARPS1=w, STAGES1=3,
-                                 BLOCK_N2=bn, BLOCK_K2=bk, WARPS2=w, STAGES2=3, GROUP_M=8))
+        for bn, bk, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 4), (32, 256, 4, 3)):
+            out.append(MoEConfig(BLOCK_M=bm, BLOCK_N1=bn, BLOCK_K1=bk, WARPS1=w, STAGES1=st,
+                                 BLOCK_N2=bn, BLOCK_K2=bk, WARPS2=w, STAGES2=st, GROUP_M=8))
     return out
 
 
