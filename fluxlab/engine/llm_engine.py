@@ -71,6 +71,8 @@ class LLMEngine:
         self.dtype = DTYPES[cfg.engine.dtype]
         torch.manual_seed(cfg.engine.seed)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             free_at_start, _ = torch.cuda.mem_get_info(self.device)
         model_dir = resolve_model_dir(cfg.model)
