@@ -213,3 +213,36 @@ def test_block_aligned_prompt_starts_with_an_all_mask_block(setup):
     out = reference_generate(model, prompt, mask_id=mask_id, eos_id=eos_id, max_new_tokens=32, ignore_eos=True)
     assert out.canvas[:64] == prompt and len(out.canvas) == 96
     assert sum(out.accepted_per_step[0]) == 32 and len(out.accepted_per_step) == 1
+
+
+def test_hierarchy_rule_one_per_masked_run_plus_confident_plus_best():
+    from fluxlab.engine.reference import _hierarchy_choice
+
+    masked = [True, True, False, True, True, True, False, True]
+    conf = [0.2, 0.4, 0.99, 0.35, 0.35, 0.1, 0.5, 0.95]
+    # run [0,1]: best 0.4 > 0.3; run [3,4,5]: first best (3) 0.35 > 0.3; run [7]: 0.95 > 0.9 anyway;
+    # position 2 is not masked, so its 0.99 does not count
+    assert _hierarchy_choice(masked, conf, 0.9, 0.3) == [False, True, False, True, False, False, False, True]
+    # nothing above either threshold: still the single most confident masked position
+    assert _hierarchy_choice(masked, [0.1] * 8, 0.9, 0.3) == [True] + [False] * 7
+
+
+def test_hierarchy_decodes_every_block_fully(setup):
+    model, prompts, mask_id, eos_id = setup
+    out = reference_generate(model, prompts[1], mask_id=mask_id, eos_id=eos_id, decoder="hierarchy",
+                             max_new_tokens=64, threshold=0.9, low_threshold=0.3, ignore_eos=True)
+    for b, steps in enumerate(out.accepted_per_step):
+        assert all(a >= 1 for a in steps)
+        assert sum(steps) == 32 - (len(prompts[1]) % 32 if b == 0 else 0)
+    assert out.forwards == sum(len(s) for s in out.accepted_per_step)
+    assert out.forwards < 64 and mask_id not in out.token_ids
+
+
+@pytest.mark.parametrize("decoder", ["threshold", "joint_threshold", "hierarchy"])
+def test_literal_mask_in_prompt_is_prompt_text(setup, decoder):
+    model, prompts, mask_id, eos_id = setup
+    prompt = prompts[0][:5] + [mask_id] + prompts[0][5:]
+    out = reference_generate(model, prompt, mask_id=mask_id, eos_id=eos_id, decoder=decoder, max_new_tokens=20,
+                             editing_threshold=0.0, max_post_steps=2, ignore_eos=True)
+    assert out.canvas[:len(prompt)] == prompt
+    assert len(out.token_ids) == 20 and mask_id not in out.token_ids

@@ -69,9 +69,11 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
                        block_length: int = 32, steps: int | None = None, max_new_tokens: int = 128,
                        threshold: float = 0.9, editing_threshold: float = 0.5, max_post_steps: int = 16,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                       ignore_eos: bool = False) -> ReferenceOutput:
-    if decoder not in ("threshold", "joint_threshold"):
-        raise ValueError(f"reference_generate: unknown decoder {decoder!r} (threshold, joint_threshold)")
+                       ignore_eos: bool = False, low_threshold: float = 0.3) -> ReferenceOutput:
+    """Generate for one prompt; `decoder` is "threshold" (LLaDA2.0), "joint_threshold" (LLaDA2.1)
+    or "hierarchy" (dInfer). A literal mask id inside the prompt is prompt text: never decoded."""
+    if decoder not in ("threshold", "joint_threshold", "hierarchy"):
+        raise ValueError(f"reference_generate: unknown decoder {decoder!r} (threshold, joint_threshold, hierarchy)")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device = next(model.parameters()).device
@@ -99,7 +101,7 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
         accepted: list[int] = []
         if decoder == "threshold":
             for k in schedule:
-                masked = block == mask_id
+                masked = (block == mask_id) & ~prompt_pos
                 if not masked.any():
                     break
                 tokens, conf = sample_tokens(logits_of_block(end), temperature, top_k, top_p, generator)
@@ -110,6 +112,16 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
                 else:
                     chosen = torch.zeros_like(masked)
                     chosen[torch.topk(conf, min(k, int(masked.sum()))).indices] = True
+                block[chosen] = tokens[chosen]
+                accepted.append(int(chosen.sum()))
+        elif decoder == "hierarchy":
+            while True:
+                masked = (block == mask_id) & ~prompt_pos
+                if not masked.any():
+                    break
+                tokens, conf = sample_tokens(logits_of_block(end), temperature, top_k, top_p, generator)
+                chosen = _hierarchy_choice(masked.tolist(), conf.tolist(), threshold, low_threshold)
+                chosen = torch.tensor(chosen, device=device)
                 block[chosen] = tokens[chosen]
                 accepted.append(int(chosen.sum()))
         else:
@@ -130,6 +142,29 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
     return out
 
 
+def _hierarchy_choice(masked: list[bool], conf: list[float], threshold: float, low_threshold: float) -> list[bool]:
+    """dInfer's hierarchy rule, position by position: in each contiguous run of masked positions
+    its most confident one (the first on ties) if above low_threshold; every masked position above
+    threshold; and always the single most confident masked position (the first on ties)."""
+    n = len(masked)
+    chosen = [m and c > threshold for m, c in zip(masked, conf)]
+    i = 0
+    while i < n:
+        if not masked[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and masked[j]:
+            j += 1
+        best = max(range(i, j), key=lambda p: (conf[p], -p))
+        if conf[best] > low_threshold:
+            chosen[best] = True
+        i = j
+    masked_pos = [p for p in range(n) if masked[p]]
+    chosen[max(masked_pos, key=lambda p: (conf[p], -p))] = True
+    return chosen
+
+
 def _joint_threshold_block(block, prompt_pos, logits_of_block, end, mask_id, threshold, editing_threshold,
                            max_post_steps, temperature, top_k, top_p, generator, out) -> list[int]:
     """LLaDA2.1 joint threshold on one block (rules as in sglang's JointThreshold, DESIGN §5).
@@ -146,7 +181,7 @@ def _joint_threshold_block(block, prompt_pos, logits_of_block, end, mask_id, thr
     accepted: list[int] = []
     post_steps = 0
     while True:
-        masked = block == mask_id
+        masked = (block == mask_id) & ~prompt_pos
         if not masked.any():
             post_steps += 1
             if post_steps > max_post_steps:
