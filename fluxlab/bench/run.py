@@ -105,9 +105,11 @@ def _served_model(url: str, api_key: Optional[str]) -> Optional[str]:
 def _save_server_log(job: Job, outcome: Outcome) -> None:
     """This job's part of the server log (a reused server's log started in an earlier job's dir)."""
     server, log_start = outcome.facts.pop("_server", (None, 0))
-    if server is None:
-        return
     target = job.out_dir / "server.log"
+    if server is None:  # no server, or one that died starting: its log says why
+        if target.is_file():
+            outcome.artifacts.append(target)
+        return
     if server.log_path != target:
         with open(server.log_path, "rb") as source:
             source.seek(log_start)
