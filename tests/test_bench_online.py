@@ -11,7 +11,9 @@ from omegaconf import OmegaConf
 
 from fluxlab.bench.metrics import compute_metrics
 from fluxlab.bench.online import arrival_gaps, run_online
+from fluxlab.bench.run import run_bench
 from fluxlab.bench.workload import BenchPrompt
+from fluxlab.config import compose, validate_config
 
 BLOCK_GAP_S = 0.05  # the stub "commits a block" this often
 
@@ -22,6 +24,10 @@ def make_stub():
 
     app = FastAPI()
     state = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "bodies": []}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
@@ -139,3 +145,17 @@ def test_arrival_gaps():
     assert cv(arrival_gaps(4000, 10.0, 4.0, seed=0)[1:]) == pytest.approx(0.5, rel=0.1)
     with pytest.raises(ValueError, match="bench.request_rate"):
         arrival_gaps(2, 0.0, 1.0, seed=0)
+
+
+def test_bench_against_an_external_url_uses_its_served_model(stub, tmp_path, monkeypatch):
+    url, state = stub
+    monkeypatch.chdir(tmp_path)
+    cfg = compose("bench", ["bench=online", f"bench.url={url}", "tracking=none", "workload.num_prompts=3",
+                            "bench.disable_progress=true"])
+    validate_config(cfg, cuda_available=False)
+    result = run_bench(cfg)
+    assert result["completed"] == 3 and result["total_output_tokens"] == 36 and result["accuracy"] == 0.0
+    line = json.loads((tmp_path / "results.jsonl").read_text())
+    assert line["served_model"] == "stub-model" and line["url"] == url and "server_pid" not in line
+    assert state["bodies"][-1]["model"] == "stub-model"
+    assert (tmp_path / "requests.csv").read_text().count("ababab") == 3

@@ -7,7 +7,7 @@ per-request keys change (they travel in SamplingParams).
 """
 from __future__ import annotations
 
-import logging
+import atexit
 import time
 from typing import Any, Optional, Sequence
 
@@ -17,8 +17,6 @@ from tqdm.auto import tqdm
 from fluxlab.bench.metrics import RequestRecord
 from fluxlab.bench.server_process import server_overrides
 from fluxlab.bench.workload import BenchPrompt
-
-log = logging.getLogger("fluxlab.bench")
 
 _llm: Any = None
 _llm_key: Optional[list[str]] = None
@@ -42,6 +40,9 @@ def release_llm() -> None:
     if _llm is not None:
         _llm.shutdown()
     _llm, _llm_key = None, None
+
+
+atexit.register(release_llm)  # TP workers of a kept engine must not outlive bench
 
 
 def encode(llm: Any, prompt: BenchPrompt) -> list[int]:

@@ -122,9 +122,11 @@ def _execute(cfg: DictConfig, job: Job, outcome: Outcome) -> None:
     if mode == "offline":
         from fluxlab.bench.offline import acquire_llm, run_offline
 
+        random = cfg.workload.kind == "random"
+        prompts = None if random else load_workload(cfg)  # a bad workload fails before the engine loads
         llm, reused = acquire_llm(cfg)
         outcome.facts["engine_reused"] = reused
-        prompts = load_workload(cfg, llm.tokenizer)
+        prompts = load_workload(cfg, llm.tokenizer) if random else prompts
         records, duration = run_offline(llm, prompts, request_knobs(cfg), cfg.bench.warmup_requests,
                                         cfg.bench.disable_progress)
     elif mode == "online":
