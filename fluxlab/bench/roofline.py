@@ -108,6 +108,25 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
             "output_tok_s": outputs / elapsed, "elapsed_s": elapsed}
 
 
+def profile_decode(engine, prompts: list[list[int]], steps: int) -> None:
+    """Kernel time breakdown over one block of decode steps (graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_new_tokens=64, steps=steps, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def main() -> None:
     from fluxlab.config import compose, validate_config
     from fluxlab.engine.llm_engine import LLMEngine
@@ -122,6 +141,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--reference", action="store_true", help="also time the reference generate at batch 1")
     ap.add_argument("--moe-backend", default=None)
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of decode steps")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -155,6 +175,8 @@ def main() -> None:
                 engine.runner.capture_decode_graphs(sizes, "padded")
                 print(f"{variant}: captured {sizes} in {time.perf_counter() - t0:.1f} s", flush=True)
             run_batch(engine, prompts[:1], 64, args.steps)  # warm-up (JIT, allocator)
+            if args.profile:
+                profile_decode(engine, prompts[:sizes[0]], args.steps)
             for bs in sizes:
                 stats = run_batch(engine, prompts[:bs], args.max_new_tokens, args.steps)
                 context = mean_prompt + args.max_new_tokens / 2
