@@ -57,8 +57,8 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                f"[0, engine.gpu_memory_utilization={eng.gpu_memory_utilization})")
         _check(eng.kv_cache_layout in ("paged", "dense"),
                f"engine.kv_cache_layout={eng.kv_cache_layout!r}: use paged or dense")
-        _check(eng.moe_backend in ("auto", "grouped_mm", "triton", "torch"),
-               f"engine.moe_backend={eng.moe_backend!r}: use auto, grouped_mm, triton or torch")
+        _check(eng.moe_backend in ("auto", "grouped_mm", "triton", "torch", "loop"),
+               f"engine.moe_backend={eng.moe_backend!r}: use auto, grouped_mm, triton, torch or loop")
         _check(eng.cpu_kv_cache_gb > 0, f"engine.cpu_kv_cache_gb={eng.cpu_kv_cache_gb} must be > 0")
 
         # --- decoding ---

@@ -1,8 +1,8 @@
 """The only owner of device tensors: weights, KV pages, CUDA graphs, the forward and the logits.
 
-Pure decode steps (every row runs exactly its active block) replay a CUDA graph captured for a
-fixed batch of B x block_length tokens when decode graphs are on; everything else runs eagerly.
-"""
+Decode steps where every row runs exactly its active block (or the commit of its finished block
+fused with its next block's first step) replay a CUDA graph captured for a fixed batch of B rows
+when decode graphs are on; prefill and mixed steps run eagerly."""
 from __future__ import annotations
 
 import logging
@@ -20,43 +20,48 @@ Rows = list[tuple[int, int, list[int]]]
 
 
 class DecodeGraph:
-    """One captured forward of `batch_size` single-block rows; inputs are updated in place."""
+    """One captured forward of `batch_size` rows of `blocks` blocks each, logits of each row's last
+    block: blocks=1 is a plain decode step, blocks=2 a commit fused with the next block's first step
+    (under the paged policy every row crosses a block boundary on the same step)."""
 
-    def __init__(self, runner: "ModelRunner", batch_size: int, pool):
+    def __init__(self, runner: "ModelRunner", batch_size: int, blocks: int, pool):
         from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
 
         bl, device = runner.block_length, runner.device
-        self.batch_size = batch_size
-        self.input_ids = torch.zeros(batch_size * bl, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch_size * bl, dtype=torch.long, device=device)
-        self.slots = torch.zeros(batch_size * bl, dtype=torch.long, device=device)
+        tokens = batch_size * blocks * bl
+        self.batch_size, self.blocks = batch_size, blocks
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.arange(tokens, device=device) % (blocks * bl)
+        self.slots = runner.scratch_slots.repeat(batch_size * blocks)
         self.attention = FlashInferAttention(runner.cache, runner.model.config, device,
                                              num_qo_heads=runner.num_qo_heads, num_kv_heads=runner.num_kv_heads,
-                                             graph_segments=batch_size,
-                                             graph_max_pages=batch_size * runner.max_blocks_per_seq)
+                                             graph_segments=batch_size * blocks,
+                                             graph_max_pages=batch_size * blocks * runner.max_blocks_per_seq)
         self.attention.meta = AttentionMetadata(self.slots, [])
-        self.scratch_rows: Rows = [(0, 1, [runner.scratch_page])] * batch_size
+        self.scratch_rows: Rows = [(0, blocks, [runner.scratch_page] * blocks)] * batch_size
         self.attention.plan(self.scratch_rows)
-        self.slots.copy_(runner.scratch_slots.repeat(batch_size))
+        last_block = torch.arange(batch_size, device=device)[:, None] * blocks * bl + (blocks - 1) * bl
+        self.logit_rows = (last_block + torch.arange(bl, device=device)).flatten()
         model = runner.model
         for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
-            model.compute_logits(model(self.input_ids, self.positions, self.attention))
+            model.compute_logits(model(self.input_ids, self.positions, self.attention)[self.logit_rows])
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.compute_logits(model(self.input_ids, self.positions, self.attention))
+            hidden = model(self.input_ids, self.positions, self.attention)
+            self.logits = model.compute_logits(hidden[self.logit_rows])
 
     def replay(self, runner: "ModelRunner", ids: torch.Tensor, positions: torch.Tensor, rows: Rows) -> torch.Tensor:
-        n = len(rows) * runner.block_length
+        n = len(rows) * self.blocks * runner.block_length
         pad = self.batch_size - len(rows)
         self.input_ids[:n].copy_(ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slots[:n].copy_(build_metadata(rows, runner.block_length, runner.device, dense=False).slot_mapping)
         if pad:
-            self.slots[n:].copy_(runner.scratch_slots.repeat(pad))
+            self.slots[n:].copy_(runner.scratch_slots.repeat(pad * self.blocks))
         self.attention.plan(rows + self.scratch_rows[:pad])
         self.graph.replay()
-        return self.logits[:n]
+        return self.logits[: len(rows) * runner.block_length]
 
 
 class ModelRunner:
@@ -76,7 +81,7 @@ class ModelRunner:
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
         self.attention = self._make_backend(backend)
-        self.graphs: dict[int, DecodeGraph] = {}
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}  # (blocks per row, batch size)
         self.graph_mode = "padded"
 
     def _make_backend(self, backend: str):
@@ -98,8 +103,9 @@ class ModelRunner:
         started = time.perf_counter()
         free_before, _ = torch.cuda.mem_get_info(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for batch_size in sorted(batch_sizes, reverse=True):
-            self.graphs[batch_size] = DecodeGraph(self, batch_size, pool)
+        for blocks in (2, 1):
+            for batch_size in sorted(batch_sizes, reverse=True):
+                self.graphs[blocks, batch_size] = DecodeGraph(self, batch_size, blocks, pool)
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
         log.info("captured %d decode graphs %s (%s) in %.1f s using %.2f GiB", len(self.graphs), sorted(self.graphs),
@@ -107,7 +113,7 @@ class ModelRunner:
 
     def _graph_chunks(self, num_rows: int) -> Optional[list[int]]:
         """Captured sizes to run `num_rows` rows with: one padded size, or a decomposition."""
-        sizes = sorted(self.graphs)
+        sizes = sorted({size for _, size in self.graphs})
         if not sizes or num_rows > sizes[-1] and self.graph_mode == "padded":
             return None
         if self.graph_mode == "padded":
@@ -137,14 +143,16 @@ class ModelRunner:
             offset += length
         ids = torch.tensor(token_lists, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.cat(positions).to(self.device, non_blocking=True)
-        pure_decode = all(r.decodes and r.num_blocks == 1 for r in batch.rows)
-        chunks = self._graph_chunks(len(rows)) if pure_decode and self.graphs else None
+        blocks = batch.rows[0].num_blocks
+        uniform = blocks <= 2 and all(r.decodes and r.num_blocks == blocks for r in batch.rows)
+        chunks = self._graph_chunks(len(rows)) if uniform and self.graphs else None
         if chunks is not None:
             logits, done = [], 0
+            span = blocks * bl
             for size in chunks:
                 take = min(size, len(rows) - done)
-                part = self.graphs[size].replay(self, ids[done * bl:(done + take) * bl],
-                                                pos[done * bl:(done + take) * bl], rows[done:done + take])
+                part = self.graphs[blocks, size].replay(self, ids[done * span:(done + take) * span],
+                                                        pos[done * span:(done + take) * span], rows[done:done + take])
                 # Graphs share one memory pool: copy a chunk out before the next replay reuses it.
                 logits.append(part.clone() if len(chunks) > 1 else part)
                 done += take
