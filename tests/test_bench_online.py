@@ -29,12 +29,20 @@ def make_stub():
     async def models():
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
 
+    # 12 tokens whatever the text says: the client must count the server's tokens, not re-tokenise.
+    usage = {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
+             "fluxlab": {"forwards": 4, "tokens_per_forward": 4.5}}
+
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
         state["requests"] += 1
         state["bodies"].append(body)
         if body["messages"][0]["content"] == "fail":
             return JSONResponse({"error": {"message": "bad", "type": "invalid_request_error"}}, status_code=400)
+        if not body["stream"]:
+            await asyncio.sleep(3 * BLOCK_GAP_S)
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ababab"},
+                                 "finish_reason": "length"}], "usage": usage}
 
         async def stream():
             state["in_flight"] += 1
@@ -45,9 +53,6 @@ def make_stub():
                     await asyncio.sleep(BLOCK_GAP_S)
                     yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "ab"},
                                                               "finish_reason": "length" if i == 2 else None}]}) + "\n\n"
-                # 12 tokens whatever the text says: the client must count the server's tokens, not re-tokenise.
-                usage = {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
-                         "fluxlab": {"forwards": 4, "tokens_per_forward": 4.5}}
                 yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:
@@ -75,7 +80,7 @@ def stub():
 
 
 def bench(**overrides):
-    base = dict(request_rate=float("inf"), burstiness=1.0, max_concurrency=None, warmup_requests=1,
+    base = dict(request_rate=float("inf"), burstiness=1.0, max_concurrency=None, warmup_requests=1, stream=True,
                 disable_progress=True, request_timeout_s=30.0)
     return OmegaConf.create({**base, **overrides})
 
@@ -103,6 +108,14 @@ def test_streamed_request_timing_and_server_usage(stub):
     body = state["bodies"][-1]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["threshold"] == 0.7 and body["steps"] == 32 and body["max_tokens"] == 32
+
+
+def test_without_streaming_the_answer_is_one_chunk(stub):
+    url, state = stub
+    (r,), _ = run_online(url, prompts(1), "tiny", {}, bench(stream=False, warmup_requests=0))
+    assert r.success and r.text == "ababab" and (r.output_tokens, r.chunks, r.itl_s) == (12, 1, [])
+    assert r.ttft_s == pytest.approx(r.e2e_s, abs=0.01) and r.ttft_s >= 3 * BLOCK_GAP_S * 0.8
+    assert "stream_options" not in state["bodies"][-1]
 
 
 def test_max_concurrency_caps_requests_in_flight(stub):

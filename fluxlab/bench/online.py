@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import logging
 
@@ -38,10 +38,12 @@ def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) ->
     return gaps.tolist()
 
 
-def request_body(prompt: BenchPrompt, model: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of one streamed request; `knobs` are the per-request decoding fields."""
-    body: dict[str, Any] = {"model": model, "max_tokens": prompt.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, **knobs}
+def request_body(prompt: BenchPrompt, model: str, knobs: dict[str, Any], stream: bool = True
+                 ) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one request; `knobs` are the per-request decoding fields."""
+    body: dict[str, Any] = {"model": model, "max_tokens": prompt.max_tokens, "stream": stream, **knobs}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if prompt.ignore_eos:
         body["ignore_eos"] = True
     if prompt.messages is not None:
@@ -63,11 +65,28 @@ def _decoder_counts(usage: dict[str, Any]) -> tuple[Optional[int], Optional[int]
     return int(forwards), None if tpf is None else round(float(tpf) * int(forwards))
 
 
+async def _events(response: httpx.Response, stream: bool) -> AsyncIterator[dict[str, Any]]:
+    """The response's JSON chunks: SSE `data:` lines, or the whole body when not streaming."""
+    if not stream:
+        yield response.json()
+        return
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPrompt, model: str,
-                       knobs: dict[str, Any], record: Optional[RequestRecord] = None) -> RequestRecord:
-    """Stream one request; times chunks as they arrive and takes token counts from the final usage."""
-    record = record or RequestRecord(index=prompt.index, answer=prompt.answer)
-    path, body = request_body(prompt, model, knobs)
+                       knobs: dict[str, Any], stream: bool = True) -> RequestRecord:
+    """Send one request; times chunks as they arrive and takes token counts from the server's usage.
+
+    Without streaming the whole answer is one chunk, so TTFT equals the e2e latency.
+    """
+    record = RequestRecord(index=prompt.index, answer=prompt.answer)
+    path, body = request_body(prompt, model, knobs, stream)
     pieces: list[str] = []
     chunk_times: list[float] = []
     usage: dict[str, Any] = {}
@@ -77,18 +96,15 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {response.status_code}: {detail[:500]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            if not stream:
+                await response.aread()
+            async for chunk in _events(response, stream):
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    message = choice.get("delta") or choice.get("message") or {}
+                    text = message.get("content") or choice.get("text") or ""
                     if text:
                         chunk_times.append(time.perf_counter())
                         pieces.append(text)
@@ -99,7 +115,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
         record.e2e_s = time.perf_counter() - start
         return record
     if not usage:
-        record.success, record.error = False, "no usage in the stream (stream_options.include_usage ignored?)"
+        record.success, record.error = False, "no usage in the answer (stream_options.include_usage ignored?)"
         return record
     record.success = True
     record.text = "".join(pieces)
@@ -120,7 +136,7 @@ async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs:
     limits = httpx.Limits(max_connections=bench.max_concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
         for i in range(bench.warmup_requests):
-            warm = await send_request(client, base_url, prompts[i % len(prompts)], model, knobs)
+            warm = await send_request(client, base_url, prompts[i % len(prompts)], model, knobs, bench.stream)
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed against {base_url}: {warm.error}")
 
@@ -129,10 +145,10 @@ async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs:
 
         async def one(prompt: BenchPrompt) -> RequestRecord:
             if gate is None:
-                record = await send_request(client, base_url, prompt, model, knobs)
+                record = await send_request(client, base_url, prompt, model, knobs, bench.stream)
             else:
                 async with gate:
-                    record = await send_request(client, base_url, prompt, model, knobs)
+                    record = await send_request(client, base_url, prompt, model, knobs, bench.stream)
             progress.update(1)
             return record
 

@@ -182,7 +182,9 @@ def run_bench(cfg: DictConfig) -> dict:
     job = Job.current()
     run_id = None
     if cfg.tracking.backend == "mlflow":
-        run_id = tracking.start_run(cfg.tracking, (cfg.tracking.run_name or job.name)[:250], tracking.run_tags(cfg),
+        # In a sweep tracking.run_name names the parent; each child is named by its sweep point.
+        name = job.name if job.multirun else (cfg.tracking.run_name or job.name)
+        run_id = tracking.start_run(cfg.tracking, name[:250], tracking.run_tags(cfg),
                                     parent_run_id=parent_run_id() if job.multirun else None)
     elif cfg.tracking.backend != "none":
         raise ValueError(f"tracking.backend={cfg.tracking.backend!r}: use mlflow or none")
