@@ -65,8 +65,10 @@ def select_runs(cfg: DictConfig) -> tuple[str, pd.DataFrame, Optional[pd.Series]
 
 def swept_keys(runs: pd.DataFrame, parent: Optional[pd.Series]) -> list[str]:
     recorded = parent.get(f"tags.{tracking.SWEPT_KEYS_TAG}") if parent is not None else None
-    if isinstance(recorded, str) and recorded:
-        return [k for k in recorded.split(",") if f"params.{k}" in runs]
+    keys = [k for k in recorded.split(",") if f"params.{k}" in runs] if isinstance(recorded, str) else []
+    if keys:
+        return keys
+    # A group sweep (decoding=threshold,hierarchy) records the group: compare the params that differ.
     params = [c for c in runs.columns if c.startswith("params.") and c[len("params."):] not in NOT_SWEPT]
     return [c[len("params."):] for c in params if runs[c].nunique(dropna=False) > 1]
 

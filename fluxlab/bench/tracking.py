@@ -95,8 +95,8 @@ def _git_facts() -> dict[str, str]:
 def _device(cfg: DictConfig) -> str:
     import torch
 
-    device = str(cfg.engine.device)
-    if device.startswith("cuda") and torch.cuda.is_available():
+    device = str(cfg.engine.device)  # "auto" in a sweep's parent, whose config is not validated
+    if (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():
         index = int(device.split(":")[1]) if ":" in device else 0
         return f"{torch.cuda.get_device_name(index)} x{torch.cuda.device_count()}"
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
