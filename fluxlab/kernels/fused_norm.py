@@ -1,0 +1,344 @@
+"""Fused RMSNorm, QK-norm + partial RoPE, and the LLaDA2 router top-k (Triton).
+
+A decode step of LLaDA2.0-mini spends ~1/3 of its time in tiny elementwise kernels: RMSNorm is ~7
+launches per call (x4 per layer), partial RoPE ~10 each for q and k, the router ~15. These kernels
+do each of those in one launch, sync-free (CUDA-graph capturable), with the published numerics:
+
+* `rms_norm(x, w, eps)`: h = x.float(); h = h * rsqrt(mean(h^2) + eps); out = w * h.to(x.dtype)
+  (the weight product is fp32(h_bf16) * fp32(w) rounded once to x.dtype, which is what torch's
+  bf16 * bf16 multiply does). `add_rms_norm(x, residual, w, eps)` first forms
+  new_residual = (x + residual) rounded to x.dtype (torch's bf16 add), then normalises it.
+* `qk_norm_rope(qkv, positions, q_w, k_w, eps, cos, sin, Hq, Hkv, D, rd)`: one launch over the
+  (token, head) rows of q, k and v: per-head RMSNorm (as above) of q and k, then rotate-half RoPE
+  on the first rd dims, evaluated with torch's bf16 roundings: cos/sin cast to x.dtype,
+  x*cos -> x.dtype, rotate_half(x)*sin -> x.dtype, their sum -> x.dtype; dims >= rd pass through.
+  v is copied. Returns contiguous q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D].
+* `route_topk(x, gate_weight, expert_bias, ...)`: the router GEMM stays torch (F.linear in fp32,
+  as `moe.route`), then one program per token does sigmoid, +bias, group scores (sum of the top-2
+  biased scores per group), keeps topk_group groups, picks top_k experts among them in descending
+  order of biased score, weights = unbiased scores / (sum + 1e-20) * routed_scaling_factor.
+  Ties are broken toward the lowest index (group and expert), which is what torch.topk does in
+  practice but does not promise.
+
+Residual differences against torch on CUDA (not bit-exact by construction): the fp32 sum of squares
+(and the top-k weight sum) is reduced in a different order, and tl.rsqrt / tl.sigmoid's exp are
+the fast-math approximations; either can move a bf16 result by one ulp in rare rows. The GPU tests
+in tests/test_fused_norm.py measure this (bf16 ≤ 1 ulp).
+
+Everything here needs CUDA (or TRITON_INTERPRET=1 on CPU, used by the tests); fp32 callers should
+keep the torch path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - triton absent
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+if HAVE_TRITON and _interpret():
+    from fluxlab.kernels.fused_moe import _patch_interpreter_for_numpy2
+
+    _patch_interpreter_for_numpy2()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rnd(x, DT: tl.constexpr):
+        """fp32 x rounded to DT (round-to-nearest-even), returned as fp32. bf16 via bit arithmetic:
+        the same result as the GPU's cvt.rn.bf16.f32, and correct under the CPU interpreter, whose
+        fp32->bf16 cast truncates. NaN passes through."""
+        if DT == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        elif DT == tl.float32:
+            return x
+        else:
+            return x.to(DT).to(tl.float32)
+
+    # ------------------------------------------------------------------------------------------
+    # RMSNorm (optionally with the residual add in front)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D, stride_x, stride_r,
+                         stride_o, stride_ro, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ROWS: tl.constexpr, DT: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
+        for r in range(ROWS):
+            row = pid * ROWS + r
+            if row < n_rows:
+                row64 = row.to(tl.int64)
+                x = tl.load(x_ptr + row64 * stride_x + offs, mask=dmask, other=0.0)
+                if HAS_RES:
+                    res = tl.load(res_ptr + row64 * stride_r + offs, mask=dmask, other=0.0)
+                    # torch's x + residual in x.dtype: fp32 sum rounded once
+                    x = _rnd(x.to(tl.float32) + res.to(tl.float32), DT).to(res_out_ptr.dtype.element_ty)
+                    tl.store(res_out_ptr + row64 * stride_ro + offs, x, mask=dmask)
+                h = x.to(tl.float32)
+                ms = tl.sum(h * h, axis=0) / D
+                h = h * tl.rsqrt(ms + eps)
+                y = _rnd(_rnd(h, DT) * w, DT)
+                tl.store(out_ptr + row64 * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=dmask)
+
+    # ------------------------------------------------------------------------------------------
+    # QK-norm + partial RoPE (+ v copy)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+                             stride_t, stride_cs, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                             D: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr,
+                             HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr, DT: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        src = qkv_ptr + t * stride_t + head * D
+        if head >= HQ + HKV:  # v: plain copy
+            hv = head - HQ - HKV
+            xv = tl.load(src + offs, mask=dmask, other=0.0)
+            tl.store(v_ptr + (t * HKV + hv) * D + offs, xv, mask=dmask)
+        else:
+            HALF: tl.constexpr = RD // 2
+            # partner of dim d under rotate_half (identity outside the rotary dims)
+            partner = tl.where(offs < HALF, offs + HALF, tl.where(offs < RD, offs - HALF, offs))
+            x = tl.load(src + offs, mask=dmask, other=0.0).to(tl.float32)
+            xp = tl.load(src + partner, mask=dmask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                if head < HQ:
+                    w = tl.load(qw_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
+                    wp = tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+                else:
+                    w = tl.load(kw_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
+                    wp = tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+                r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+                x = _rnd(_rnd(x * r, DT) * w, DT)
+                xp = _rnd(_rnd(xp * r, DT) * wp, DT)
+            if HAS_POS:
+                prow = tl.load(pos_ptr + t).to(tl.int64)
+            else:
+                prow = t
+            rmask = offs < RD
+            c = tl.load(cos_ptr + prow * stride_cs + offs, mask=rmask, other=1.0)
+            s = tl.load(sin_ptr + prow * stride_cs + offs, mask=rmask, other=0.0)
+            # cos_cache[positions].to(dtype) as published
+            c = _rnd(c.to(tl.float32), DT)
+            s = _rnd(s.to(tl.float32), DT)
+            rot = tl.where(offs < HALF, -xp, xp)
+            y = tl.where(rmask, _rnd(_rnd(x * c, DT) + _rnd(rot * s, DT), DT), x).to(q_ptr.dtype.element_ty)
+            if head < HQ:
+                tl.store(q_ptr + (t * HQ + head) * D + offs, y, mask=dmask)
+            else:
+                tl.store(k_ptr + (t * HKV + (head - HQ)) * D + offs, y, mask=dmask)
+
+    # ------------------------------------------------------------------------------------------
+    # Router: sigmoid, bias, group-limited top-k, normalised weights
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, stride_l, scale,
+                      G: tl.constexpr, GS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, TOP2: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        j = tl.arange(0, BLOCK_GS)[None, :]
+        e = g * GS + j                                    # expert id [BLOCK_G, BLOCK_GS]
+        valid = (g < G) & (j < GS)
+        BIG: tl.constexpr = BLOCK_G * BLOCK_GS
+        logits = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=0.0)
+        scores = tl.sigmoid(logits)
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0)
+        else:
+            choice = scores
+        choice = tl.where(valid, choice, float("-inf"))
+        if G > 1:
+            # group score = sum of the top-2 biased scores of each group
+            m1 = tl.max(choice, axis=1)
+            if TOP2:
+                a1 = tl.min(tl.where(choice == m1[:, None], j, BLOCK_GS), axis=1)
+                m2 = tl.max(tl.where(j == a1[:, None], float("-inf"), choice), axis=1)
+                gscore = m1 + m2
+            else:
+                gscore = m1
+            gid = tl.arange(0, BLOCK_G)
+            gscore = tl.where(gid < G, gscore, float("-inf"))
+            keep = gid < 0
+            for _ in range(TOPK_GROUP):
+                best = tl.max(gscore, axis=0)
+                bi = tl.min(tl.where(gscore == best, gid, BLOCK_G), axis=0)
+                keep = keep | (gid == bi)
+                gscore = tl.where(gid == bi, float("-inf"), gscore)
+            choice = tl.where(keep[:, None], choice, float("-inf"))
+        kk = tl.arange(0, BLOCK_K)
+        out_idx = tl.zeros([BLOCK_K], dtype=tl.int64)
+        out_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for i in range(TOP_K):
+            best = tl.max(tl.max(choice, axis=1), axis=0)
+            bi = tl.min(tl.min(tl.where(choice == best, e, BIG), axis=1), axis=0)
+            hit = e == bi
+            sc = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+            out_idx = tl.where(kk == i, bi.to(tl.int64), out_idx)
+            out_w = tl.where(kk == i, sc, out_w)
+            choice = tl.where(hit, float("-inf"), choice)
+        if TOP_K > 1:
+            out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+        out_w = out_w * scale
+        kmask = kk < TOP_K
+        tl.store(idx_ptr + t * TOP_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
+        tl.store(w_ptr + t * TOP_K + kk, out_w, mask=kmask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python wrappers
+# ----------------------------------------------------------------------------------------------
+
+def _norm_launch_params(n_rows: int, D: int):
+    block = _next_pow2(D)
+    warps = 1 if block <= 256 else (4 if block <= 2048 else 8)
+    rows = 1 if n_rows <= 4096 or _interpret() else 4
+    return block, warps, rows
+
+
+def _tl_dtype(dt: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dt]
+
+
+def _check_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype), shape and dtype of x."""
+    assert weight.dtype == x.dtype, "weight must have x's dtype (torch would promote otherwise)"
+    shape = x.shape
+    D = shape[-1]
+    x2 = _check_rows(x.reshape(-1, D))
+    n = x2.shape[0]
+    out = torch.empty(n, D, dtype=x.dtype, device=x.device)
+    if n:
+        block, warps, rows = _norm_launch_params(n, D)
+        _rms_norm_kernel[(triton.cdiv(n, rows),)](x2, x2, weight, out, out, n, D, x2.stride(0), 0,
+                                                  out.stride(0), 0, float(eps), HAS_RES=False,
+                                                  BLOCK_D=block, ROWS=rows, DT=_tl_dtype(x.dtype), num_warps=warps)
+    return out.view(shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual), the sum rounded to x.dtype as torch's add does."""
+    assert x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
+    shape = x.shape
+    D = shape[-1]
+    x2 = _check_rows(x.reshape(-1, D))
+    r2 = _check_rows(residual.reshape(-1, D))
+    n = x2.shape[0]
+    out = torch.empty(n, D, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(n, D, dtype=x.dtype, device=x.device)
+    if n:
+        block, warps, rows = _norm_launch_params(n, D)
+        _rms_norm_kernel[(triton.cdiv(n, rows),)](x2, r2, weight, out, new_res, n, D, x2.stride(0), r2.stride(0),
+                                                  out.stride(0), new_res.stride(0), float(eps), HAS_RES=True,
+                                                  BLOCK_D=block, ROWS=rows, DT=_tl_dtype(x.dtype), num_warps=warps)
+    return out.view(shape), new_res.view(shape)
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int):
+    """qkv [T, (Hq+2Hkv)*D] (or [T, Hq+2Hkv, D]; heads and dims contiguous within a token row)
+    -> contiguous q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D].
+
+    cos/sin: with `positions` [T] (int), the fp32 caches [P, rotary_dim] indexed by position; with
+    positions=None, per-token tables [T, rotary_dim] (any float dtype, row stride allowed), e.g.
+    the model's already-cast `cos_sin` (cos[:, 0, :]). Either way they are rounded to qkv.dtype
+    before use, as the published code does. q_weight/k_weight None: no QK-norm (use_qk_norm=False).
+    """
+    T = qkv.shape[0]
+    H = num_q_heads + 2 * num_kv_heads
+    qkv2 = qkv.reshape(T, H * head_dim)
+    if qkv2.stride(-1) != 1:
+        qkv2 = qkv2.contiguous()
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
+    assert cos_cache.shape[-1] == rotary_dim and sin_cache.shape[-1] == rotary_dim
+    cos2 = cos_cache.reshape(-1, rotary_dim)
+    sin2 = sin_cache.reshape(-1, rotary_dim)
+    if cos2.stride(-1) != 1 or sin2.stride(-1) != 1 or cos2.stride(0) != sin2.stride(0):
+        cos2, sin2 = cos2.contiguous(), sin2.contiguous()
+    dev, dt = qkv.device, qkv.dtype
+    q = torch.empty(T, num_q_heads, head_dim, dtype=dt, device=dev)
+    k = torch.empty(T, num_kv_heads, head_dim, dtype=dt, device=dev)
+    v = torch.empty(T, num_kv_heads, head_dim, dtype=dt, device=dev)
+    if T == 0:
+        return q, k, v
+    has_norm = q_weight is not None
+    assert has_norm == (k_weight is not None)
+    assert not has_norm or (q_weight.dtype == dt and k_weight.dtype == dt)
+    has_pos = positions is not None
+    block = _next_pow2(head_dim)
+    _qk_norm_rope_kernel[(T, H)](
+        qkv2, positions if has_pos else qkv2, q_weight if has_norm else qkv2, k_weight if has_norm else qkv2,
+        cos2, sin2, q, k, v, qkv2.stride(0), cos2.stride(0), float(eps),
+        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_D=block,
+        HAS_NORM=has_norm, HAS_POS=has_pos, DT=_tl_dtype(dt), num_warps=1 if block <= 256 else 4)
+    return q, k, v
+
+
+def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
+                           topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
+    """The router after its GEMM: logits [T, E] fp32 -> (topk_idx [T, top_k], topk_weight [T, top_k] fp32)."""
+    T, E = logits.shape
+    logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if n_group <= 1:
+        n_group, topk_group = 1, 1
+    assert E % n_group == 0 and topk_group <= n_group
+    gs = E // n_group
+    assert top_k <= topk_group * gs
+    idx = torch.empty(T, top_k, dtype=idx_dtype, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, w
+    has_bias = expert_bias is not None
+    bias = expert_bias.float().contiguous() if has_bias else logits
+    block_g, block_gs = _next_pow2(n_group), _next_pow2(gs)
+    _route_kernel[(T,)](logits, bias, idx, w, logits.stride(0), float(routed_scaling_factor),
+                        G=n_group, GS=gs, BLOCK_G=block_g, BLOCK_GS=block_gs, TOPK_GROUP=topk_group,
+                        TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
+                        num_warps=4 if block_g * block_gs >= 256 else 1)
+    return idx, w
+
+
+def route_topk(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int,
+               n_group: int, topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
+    """Same contract as fluxlab.engine.layers.moe.route: x [T, H] -> (topk_idx [T, top_k] int64,
+    topk_weight [T, top_k] fp32). The GEMM is moe.route's fp32 F.linear; the rest is one launch."""
+    logits = F.linear(x.float(), gate_weight.float())
+    return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                                  idx_dtype)
