@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 from omegaconf import DictConfig
 
 from fluxlab.config import CONF_DIR, ConfigError, compose, validate_config
+from fluxlab.engine.chat import encode_chat, encode_text
 from fluxlab.engine.request import RequestStats, SamplingParams
 
 Prompt = Union[str, list[int], list[dict]]
@@ -49,11 +50,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """Text, chat messages (the tokenizer's chat template) or token ids -> prompt token ids."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return encode_text(self.tokenizer, prompt)
         if prompt and isinstance(prompt[0], dict):
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            return encode_chat(self.tokenizer, list(prompt))
         return [int(t) for t in prompt]
 
     def generate(self, prompts: Sequence[Prompt],

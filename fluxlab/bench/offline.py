@@ -49,8 +49,7 @@ def encode(llm: Any, prompt: BenchPrompt) -> list[int]:
     """Prompt token ids, built as the server builds them (the tokenizer's chat template for messages)."""
     if prompt.token_ids is not None:
         return list(prompt.token_ids)
-    text = llm.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-    return llm.tokenizer.encode(text, add_special_tokens=False)
+    return llm.encode(prompt.messages)
 
 
 def _params(prompt: BenchPrompt, knobs: dict[str, Any]) -> Any:

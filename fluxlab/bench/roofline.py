@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fluxlab.engine.chat import encode_chat
 from fluxlab.engine.request import SamplingParams
 
 
@@ -79,8 +80,7 @@ def gsm8k_prompts(tokenizer, count: int) -> list[list[int]]:
     with open(sample_path()) as f:
         for line in f:
             messages = json.loads(line)["messages"]
-            prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                              return_dict=False)))
+            prompts.append(encode_chat(tokenizer, messages))
     return [prompts[i % len(prompts)] for i in range(count)]
 
 

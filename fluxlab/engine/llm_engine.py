@@ -49,6 +49,12 @@ def resolve_model_dir(model_cfg: DictConfig) -> Optional[Path]:
                      "(random weights of the preset's shapes) for speed work")
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def load_tokenizer(model_dir: Optional[Path]):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -84,9 +90,13 @@ class LLMEngine:
             self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
         from fluxlab.engine.layers.moe import StackedExperts
 
+        moe_backend = cfg.engine.moe_backend
+        if moe_backend == "auto":
+            # Measured on H200 (docs/benchmarks.md): the Triton kernel is ~2x torch._grouped_mm.
+            moe_backend = "triton" if self.device.type == "cuda" and _has_triton() else "grouped_mm"
         for module in self.model.modules():
             if isinstance(module, StackedExperts):
-                module.backend = cfg.engine.moe_backend
+                module.backend = moe_backend
         self.mask_id, self.eos_id, _ = special_token_ids(model_dir) if model_dir else special_token_ids("")
         self.block_length = cfg.decoding.block_length
         self.max_model_len = cfg.model.max_model_len

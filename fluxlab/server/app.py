@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fluxlab.engine.chat import encode_chat, encode_text
 from fluxlab.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from fluxlab.server.async_engine import AsyncEngine, EngineDead, Overloaded
 from fluxlab.server.metrics import ServerMetrics
@@ -36,8 +37,6 @@ log = logging.getLogger("fluxlab.server")
 
 # How often a handler waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
-# Ling-2.0 chat format, for tokenizers that ship without a chat_template (DESIGN §4).
-_LING_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT", "tool": "OBSERVATION"}
 
 
 def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
@@ -303,7 +302,7 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         # Special tokens are parsed (a pre-templated prompt keeps its role markers); a literal
         # `<|mask|>` becomes a prompt token, which the engine never decodes over (prompt is fixed).
-        ids = tokenizer.encode(_check_text(prompt, "prompt"))
+        ids = encode_text(tokenizer, _check_text(prompt, "prompt"))
     else:
         vocab = len(tokenizer)
         bad = [t for t in prompt if not 0 <= t < vocab]
@@ -317,15 +316,10 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
 
 def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": _check_text(m.text(), "messages")} for m in body.messages]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # noqa: BLE001 - a template refusing these messages is a client error
-            raise ServerError(400, f"the chat template rejected these messages: {err}", param="messages")
-    else:
-        text = "".join(f"<role>{_LING_ROLES[m['role']]}</role>{m['content']}<|role_end|>" for m in messages)
-        text += "<role>ASSISTANT</role>"
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    try:
+        ids = encode_chat(tokenizer, messages)
+    except Exception as err:  # noqa: BLE001 - a template refusing these messages is a client error
+        raise ServerError(400, f"the chat template rejected these messages: {err}", param="messages")
     if not ids:
         raise ServerError(400, "messages give an empty prompt", param="messages")
     return ids
