@@ -79,25 +79,72 @@ def checkpoint_layout(c: LLaDA2MoeConfig) -> dict[str, Slot]:
     return out
 
 
+def _expert_number(name: str) -> int:
+    return int(name.split(".experts.")[1].split(".")[0])
+
+
 class _Assigner:
-    """Copies official tensors into a model's (possibly stacked) parameters, checking every name."""
+    """Copies official tensors into a model's (possibly stacked, possibly sharded) parameters,
+    checking every name. Under TP/EP each tensor is cut into pieces (target view, source index)
+    that hold only this rank's shard, so a loader can read just those slices from the file."""
 
     def __init__(self, model: LLaDA2MoeModel):
         self.layout = checkpoint_layout(model.config)
         self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.dims = model.dims
         self.seen: set[str] = set()
 
-    def __call__(self, name: str, tensor: torch.Tensor):
+    def pieces(self, name: str) -> list[tuple[torch.Tensor, tuple | None]]:
+        """(view of the parameter to fill, index into the official tensor or None for all of it)."""
+        from fluxlab.engine.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                                  VocabParallelEmbedding)
+        from fluxlab.engine.layers.moe import StackedExperts
+
+        slot = self.layout[name]
+        param = self.params[slot.param].data
+        if self.dims.tp_size == 1:
+            return [(param if slot.index is None else param[slot.index], None)]
+        rank, all_ = self.dims.tp_rank, slice(None)
+        module = self.modules[slot.param.rsplit(".", 1)[0]]
+        if isinstance(module, QKVParallelLinear):
+            return [(param[dst:dst + n], (slice(src, src + n),)) for dst, src, n in module.row_blocks()]
+        if isinstance(module, VocabParallelEmbedding):
+            lo = module.first_row
+            hi = min(lo + module.shard_rows, module.vocab_size)
+            return [(param[:hi - lo], (slice(lo, hi),))] if hi > lo else []
+        if isinstance(module, RowParallelLinear):
+            n = param.shape[1]
+            return [(param, (all_, slice(rank * n, (rank + 1) * n)))]
+        if isinstance(module, ColumnParallelLinear):
+            n = param.shape[0]
+            return [(param, (slice(rank * n, (rank + 1) * n),))]
+        if isinstance(module, StackedExperts):
+            e, inter = _expert_number(name), module.intermediate_size
+            is_down, is_up = name.endswith("down_proj.weight"), name.endswith("up_proj.weight")
+            if module.ep_size > 1:  # whole experts, only this rank's
+                local = e - module.first_expert
+                if not 0 <= local < module.num_local_experts:
+                    return []
+                rows = slice(inter, 2 * inter) if is_up else slice(0, inter)
+                return [(param[local] if is_down else param[local, rows], None)]
+            cut = slice(rank * inter, (rank + 1) * inter)  # every expert, its intermediate slice
+            if is_down:
+                return [(param[e], (all_, cut))]
+            return [(param[e, inter:2 * inter] if is_up else param[e, :inter], (cut,))]
+        return [(param, None)]  # replicated: norms, router
+
+    def __call__(self, name: str, shape: tuple, read):
+        """`read(index)` returns the official tensor (index None) or the given slice of it."""
         slot = self.layout.get(name)
         if slot is None:
-            raise ValueError(f"unexpected tensor {name!r} (shape {tuple(tensor.shape)}) in checkpoint")
-        if tuple(tensor.shape) != slot.shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {slot.shape}")
+            raise ValueError(f"unexpected tensor {name!r} (shape {tuple(shape)}) in checkpoint")
+        if tuple(shape) != slot.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(shape)}, expected {slot.shape}")
         if name in self.seen:
             raise ValueError(f"tensor {name!r} appears twice in checkpoint")
-        param = self.params[slot.param]
-        target = param.data if slot.index is None else param.data[slot.index]
-        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        for target, index in self.pieces(name):
+            target.copy_(read(index).to(device=target.device, dtype=target.dtype))
         self.seen.add(name)
 
     def finish(self):
@@ -130,11 +177,12 @@ def _safetensor_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True):
+def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True, dims=None):
     """config.json + safetensors (sharded or not, any float dtype on disk) -> (model, config).
 
     Tensors are read one at a time and copied into pre-allocated (stacked) parameters, so no
-    second full copy of the weights is held. Missing, unexpected or wrong-shaped tensors raise a
+    second full copy of the weights is held. Under TP/EP (`dims`, default the process's) a rank
+    reads only its slices (safetensors get_slice) and skips other ranks' experts. Missing, unexpected or wrong-shaped tensors raise a
     ValueError naming the tensor.
     """
     from safetensors import safe_open
@@ -144,14 +192,17 @@ def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True):
     config = read_config(path)
     dtype = resolve_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    model = LLaDA2MoeModel(config, dtype=dtype, device=device).eval()
+    model = LLaDA2MoeModel(config, dtype=dtype, device=device, dims=dims).eval()
     assign = _Assigner(model)
     files = _safetensor_files(path)
     with tqdm(total=len(assign.layout), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    assign(name, f.get_tensor(name))
+                    tensor_slice = f.get_slice(name)  # reads only the rows/columns asked for
+                    assign(name, tuple(tensor_slice.get_shape()),
+                           lambda index, name=name, tensor_slice=tensor_slice:
+                           f.get_tensor(name) if index is None else tensor_slice[index])
                     bar.update(1)
     assign.finish()
     return model, config
@@ -201,36 +252,44 @@ PEAKED_EOS_GAIN = 2.5
 PEAKED_MASK_GAIN = 0.05
 
 
+def random_tensor(c: LLaDA2MoeConfig, name: str, shape: tuple, seed: int = 0, *, peaked: bool = False,
+                  special_ids: dict | None = None, device=None) -> torch.Tensor:
+    """The official tensor `name` (fp32), generated independently from (seed, name)."""
+    special_ids = special_ids or {}
+    std = _init_std(name, shape, c, peaked)
+    if std is None:
+        t = torch.ones(shape, dtype=torch.float32, device=device)
+    elif std == 0.0:
+        t = torch.zeros(shape, dtype=torch.float32, device=device)
+    else:
+        t = uniform_tensor(shape, std, seed, name, device)
+    if peaked and name == "model.word_embeddings.weight" and "mask" in special_ids:
+        t[special_ids["mask"]] *= PEAKED_MASK_GAIN
+    if peaked and name == "lm_head.weight" and "eos" in special_ids:
+        t[special_ids["eos"]] *= PEAKED_EOS_GAIN
+    return t
+
+
 def random_tensors(c: LLaDA2MoeConfig, seed: int = 0, *, peaked: bool = False, special_ids: dict | None = None,
                    groups=None, device=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (official name, fp32 tensor) for every tensor of `c`, optionally only some groups
     ("embed", "layer{i}", "head"), each generated independently from (seed, name)."""
-    special_ids = special_ids or {}
     for name, slot in checkpoint_layout(c).items():
         if groups is not None and slot.group not in groups:
             continue
-        std = _init_std(name, slot.shape, c, peaked)
-        if std is None:
-            t = torch.ones(slot.shape, dtype=torch.float32, device=device)
-        elif std == 0.0:
-            t = torch.zeros(slot.shape, dtype=torch.float32, device=device)
-        else:
-            t = uniform_tensor(slot.shape, std, seed, name, device)
-        if peaked and name == "model.word_embeddings.weight" and "mask" in special_ids:
-            t[special_ids["mask"]] *= PEAKED_MASK_GAIN
-        if peaked and name == "lm_head.weight" and "eos" in special_ids:
-            t[special_ids["eos"]] *= PEAKED_EOS_GAIN
-        yield name, t
+        yield name, random_tensor(c, name, slot.shape, seed, peaked=peaked, special_ids=special_ids, device=device)
 
 
 def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed: int = 0, peaked: bool | None = None,
-                       special_ids: dict | None = None):
+                       special_ids: dict | None = None, dims=None):
     """Random weights built directly on `device`, no file. -> (model, config)
 
     `preset_or_config`: a preset name, a config.json dict or an LLaDA2MoeConfig. Published shapes
     get std 0.02 projections and unit norms (flat logits: every step accepts exactly the scheduled
     k). The preset "tiny" is built exactly as `fluxlab checkpoint preset=tiny` writes it (same
-    vocab, peaked weights, same values for the same seed on CPU).
+    vocab, peaked weights, same values for the same seed on CPU). Under TP/EP (`dims`, default the
+    process's) each full tensor is generated on `device`, one at a time, and cut to this rank's
+    shard, so every rank holds exactly its slice of the weights tp_size=1 would build.
     """
     if isinstance(preset_or_config, LLaDA2MoeConfig):
         config = preset_or_config
@@ -246,10 +305,15 @@ def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed
             special_ids = special_ids or {"mask": ids["<|mask|>"], "eos": ids["<|endoftext|>"]}
     dtype = resolve_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    model = LLaDA2MoeModel(config, dtype=dtype, device=device).eval()
+    model = LLaDA2MoeModel(config, dtype=dtype, device=device, dims=dims).eval()
     assign = _Assigner(model)
-    for name, t in random_tensors(config, seed, peaked=bool(peaked), special_ids=special_ids, device=device):
-        assign(name, t)
+    for name, slot in assign.layout.items():
+        if not assign.pieces(name):  # another rank's experts: not even generated
+            assign.seen.add(name)
+            continue
+        t = random_tensor(config, name, slot.shape, seed, peaked=bool(peaked), special_ids=special_ids, device=device)
+        assign(name, slot.shape, lambda index, t=t: t if index is None else t[index])
+        del t
     assign.finish()
     return model, config
 

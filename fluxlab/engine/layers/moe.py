@@ -88,30 +88,94 @@ def moe_forward(x, topk_idx, topk_weight, w_gate_up, w_down, use_grouped_mm: boo
     return (out.float() * topk_weight[..., None].float()).sum(dim=1).to(x.dtype)
 
 
-class StackedExperts(nn.Module):
-    """All routed experts of one layer as two stacked parameters, ready for grouped GEMMs:
-    w_gate_up [E, 2*I, H] (rows: gate_proj then up_proj) and w_down [E, H, I]."""
+def local_routing(topk_idx: torch.Tensor, topk_weight: torch.Tensor, first_expert: int, num_local: int):
+    """Expert parallelism: this rank's view of the global routing. Slots routed elsewhere get the
+    sentinel index `num_local` and weight 0 (their contribution comes from another rank)."""
+    local = topk_idx - first_expert
+    mine = (local >= 0) & (local < num_local)
+    return torch.where(mine, local, num_local), torch.where(mine, topk_weight.float(), 0.0), mine
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=None, device=None):
+
+def partial_moe(x, local_idx, weight, mine, w_gate_up, w_down) -> torch.Tensor:
+    """Sum over a rank's slots in fp32 ([T, H] fp32, not cast: the caller all-reduces it).
+
+    Sync-free (CUDA-graph capturable): slots are sorted by local expert with the sentinel slots
+    last; the grouped GEMMs cover the local experts' rows only (offs), and the rows past the last
+    offset, whatever they hold, are dropped by `where` before the weighted sum. CPU: a loop over
+    the local experts."""
+    num_tokens, top_k = local_idx.shape
+    num_local = w_gate_up.shape[0]
+    flat = local_idx.reshape(-1)
+    n = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    sorted_x = x.index_select(0, order // top_k)
+    if _grouped_mm_ok(x):
+        counts = torch.zeros(num_local + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones(n, dtype=torch.int32, device=x.device))
+        offs = torch.cumsum(counts[:num_local], 0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(sorted_x, w_gate_up.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        sorted_out = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    else:
+        sorted_out = torch.zeros_like(sorted_x)
+        counts = torch.bincount(flat, minlength=num_local + 1)[:num_local].tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                sorted_out[start:start + count] = _expert(sorted_x[start:start + count], w_gate_up[e], w_down[e])
+                start += count
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(n, device=x.device, dtype=order.dtype))
+    out = sorted_out.index_select(0, inv).view(num_tokens, top_k, -1)
+    out = torch.where(mine[..., None], out.float(), 0.0)
+    return (out * weight[..., None]).sum(dim=1)
+
+
+class StackedExperts(nn.Module):
+    """All routed experts of one layer (of this rank) as two stacked parameters, ready for grouped
+    GEMMs: w_gate_up [E, 2*I, H] (rows: gate_proj then up_proj) and w_down [E, H, I].
+
+    Under expert parallelism (ep_size > 1) a rank holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep);
+    under tensor parallelism with ep_size == 1 it holds every expert's intermediate slice I/tp.
+    Either way `forward` then returns this rank's fp32 partial sum, to be all-reduced by the caller.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=None, device=None,
+                 tp_size: int = 1, ep_size: int = 1, ep_rank: int = 0):
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
+        assert num_experts % ep_size == 0 and intermediate_size % (tp_size if ep_size == 1 else 1) == 0
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.first_expert = ep_rank * self.num_local_experts
+        self.intermediate_size = intermediate_size // tp_size if ep_size == 1 else intermediate_size
+        self.partial = tp_size > 1
+        self.ep_size = ep_size
+        self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate_size, hidden_size,
                                                   dtype=dtype, device=device), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+        self.w_down = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size,
                                                dtype=dtype, device=device), requires_grad=False)
 
-    backend = "auto"  # engine.moe_backend: auto | grouped_mm | triton | torch | loop
+    backend = "auto"  # engine.moe_backend: auto | grouped_mm | triton | torch
 
     def forward(self, x, topk_idx, topk_weight):
-        if self.backend == "loop":  # the published modeling code's per-expert loop (baseline timings)
-            return moe_reference(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
-        if x.is_cuda and self.backend != "torch":
-            # Sync-free paths (CUDA-graph capturable); auto = grouped_mm, the faster one measured on H200.
-            from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe
+        if not self.partial:
+            if x.is_cuda and self.backend != "torch":
+                # Sync-free paths (CUDA-graph capturable); auto = grouped_mm, the faster one measured on H200.
+                from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe
 
-            kernel = fused_moe if self.backend == "triton" else grouped_mm_moe
-            return kernel(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
-        return moe_forward(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+                kernel = fused_moe if self.backend == "triton" else grouped_mm_moe
+                return kernel(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+            return moe_forward(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+        if self.ep_size > 1:
+            local_idx, weight, mine = local_routing(topk_idx, topk_weight, self.first_expert, self.num_local_experts)
+        else:
+            local_idx, weight, mine = topk_idx, topk_weight.float(), torch.ones_like(topk_idx, dtype=torch.bool)
+        if x.is_cuda and self.backend != "torch" and (self.backend == "triton" or not _grouped_mm_ok(x)):
+            from fluxlab.kernels.fused_moe import fused_moe
+
+            # The triton kernel has no sentinel expert: foreign slots run local expert 0 at weight 0.
+            return fused_moe(x, torch.where(mine, local_idx, 0), weight, self.w_gate_up, self.w_down).float()
+        return partial_moe(x, local_idx, weight, mine, self.w_gate_up, self.w_down)
 
 
 class MoEGate(nn.Module):

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fluxlab.engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, ParallelLMHead, QKVParallelLinear,
+                                          RowParallelLinear, VocabParallelEmbedding, all_reduce,
+                                          get_parallel_dims)
 from fluxlab.engine.layers.moe import MoEGate, StackedExperts
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
@@ -90,53 +92,89 @@ class LLaDA2MoeConfig:
         return d
 
 
+def check_parallel(c: LLaDA2MoeConfig, tp_size: int, ep_size: int) -> None:
+    """The model-specific parallel rules; the messages name the config keys and the model's numbers."""
+    if c.num_attention_heads % tp_size:
+        raise ValueError(f"parallel.tp_size={tp_size} must divide the model's num_attention_heads="
+                         f"{c.num_attention_heads}")
+    kv = c.num_key_value_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"parallel.tp_size={tp_size} must divide or be a multiple of the model's "
+                         f"num_key_value_heads={kv}")
+    if c.num_experts and c.num_experts % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} must divide the model's num_experts={c.num_experts}")
+    if ep_size == 1 and tp_size > 1 and c.num_experts and c.moe_intermediate_size % tp_size:
+        raise ValueError(f"parallel.tp_size={tp_size} with parallel.ep_size=1 must divide the model's "
+                         f"moe_intermediate_size={c.moe_intermediate_size}")
+    if c.intermediate_size % tp_size:
+        raise ValueError(f"parallel.tp_size={tp_size} must divide the model's intermediate_size={c.intermediate_size}")
+    if c.num_shared_experts and (c.moe_intermediate_size * c.num_shared_experts) % tp_size:
+        raise ValueError(f"parallel.tp_size={tp_size} must divide the shared experts' width moe_intermediate_size x "
+                         f"num_shared_experts={c.moe_intermediate_size * c.num_shared_experts}")
+
+
 class LLaDA2MoeMLP(nn.Module):
     """SwiGLU MLP: the dense layers and the shared experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype=None, device=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype=None, device=None,
+                 dims: ParallelDims = ParallelDims(), reduce: bool = True):
         super().__init__()
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, tp_size=dims.tp_size, tp_rank=dims.tp_rank)
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce, **kw)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LLaDA2MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, dtype=None, device=None):
+    def __init__(self, config: LLaDA2MoeConfig, dtype=None, device=None, dims: ParallelDims = ParallelDims()):
         super().__init__()
         c = config
+        self.tp_size = dims.tp_size
         self.gate = MoEGate(c.hidden_size, c.num_experts, top_k=c.num_experts_per_tok, n_group=c.n_group,
                             topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
                             dtype=dtype, device=device)
-        self.experts = StackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype, device)
+        self.experts = StackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype, device,
+                                      tp_size=dims.tp_size, ep_size=dims.ep_size, ep_rank=dims.ep_rank)
+        # Under TP the shared expert's partial output joins the routed partial in one fp32 all-reduce.
         self.shared_experts = (LLaDA2MoeMLP(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts,
-                                            dtype, device) if c.num_shared_experts else None)
+                                            dtype, device, dims, reduce=dims.tp_size == 1)
+                               if c.num_shared_experts else None)
 
     def forward(self, x):
-        topk_idx, topk_weight = self.gate(x)
+        topk_idx, topk_weight = self.gate(x)  # the full router on every rank: all ranks agree on the choice
         y = self.experts(x, topk_idx, topk_weight)
+        if self.tp_size == 1:
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x)
+            return y
+        # Each rank's routed partial is an fp32 sum over its slots (fp32 accumulation as on one rank).
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+            y = y + self.shared_experts(x).float()
+        return all_reduce(y, self.tp_size).to(x.dtype)
 
 
 class LLaDA2MoeAttention(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None,
+                 dims: ParallelDims = ParallelDims()):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.head_dim = c.head_dim
         self.eps = c.rms_norm_eps
-        self.query_key_value = QKVParallelLinear(c.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+        self.query_key_value = QKVParallelLinear(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                                 self.head_dim, tp_size=dims.tp_size, tp_rank=dims.tp_rank,
                                                  dtype=dtype, device=device)
+        self.num_heads = self.query_key_value.num_local_heads  # this rank's heads
+        self.num_kv_heads = self.query_key_value.num_local_kv_heads
         self.use_qk_norm = c.use_qk_norm
         if c.use_qk_norm:
             self.query_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device)
             self.key_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device)
-        self.dense = RowParallelLinear(self.num_heads * self.head_dim, c.hidden_size, dtype=dtype, device=device)
+        self.dense = RowParallelLinear(c.num_attention_heads * self.head_dim, c.hidden_size, dtype=dtype,
+                                       device=device, tp_size=dims.tp_size, tp_rank=dims.tp_rank)
 
     def forward(self, x, cos_sin, attn):
         T = x.shape[0]
@@ -151,14 +189,15 @@ class LLaDA2MoeAttention(nn.Module):
 
 
 class LLaDA2MoeDecoderLayer(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None,
+                 dims: ParallelDims = ParallelDims()):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.attention = LLaDA2MoeAttention(c, layer_idx, dtype, device)
+        self.attention = LLaDA2MoeAttention(c, layer_idx, dtype, device, dims)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = (LLaDA2MoeSparseMoeBlock(c, dtype, device) if c.is_moe_layer(layer_idx)
-                    else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device))
+        self.mlp = (LLaDA2MoeSparseMoeBlock(c, dtype, device, dims) if c.is_moe_layer(layer_idx)
+                    else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device, dims))
 
     def forward(self, x, cos_sin, attn):
         x = x + self.attention(self.input_layernorm(x), cos_sin, attn)
@@ -166,18 +205,23 @@ class LLaDA2MoeDecoderLayer(nn.Module):
 
 
 class LLaDA2MoeModel(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, dtype=torch.bfloat16, device=None):
+    def __init__(self, config: LLaDA2MoeConfig, dtype=torch.bfloat16, device=None, dims: ParallelDims | None = None):
+        """`dims`: this rank's place in the TP/EP group (default: the process's, see layers/linear.py)."""
         super().__init__()
         c = self.config = config
+        dims = self.dims = dims or get_parallel_dims()
+        check_parallel(c, dims.tp_size, dims.ep_size)
         self.dtype = dtype
-        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device,
-                                            _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
-        self.word_embeddings.weight.requires_grad_(False)
+        self.word_embeddings = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dims.tp_size, dims.tp_rank,
+                                                      dtype=dtype, device=device)
         self.rotary_emb = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, c.max_position_embeddings).to(device)
-        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, dtype, device)
+        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, dtype, device, dims)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dims.tp_size, dims.tp_rank, dtype=dtype,
+                                      device=device)
+        attention = self.layers[0].attention
+        self.num_local_heads, self.num_local_kv_heads = attention.num_heads, attention.num_kv_heads
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -193,4 +237,4 @@ class LLaDA2MoeModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm + lm_head; logits in fp32. Each position predicts its own token (no shift)."""
         h = rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return F.linear(h, self.lm_head.weight).float()
+        return self.lm_head.logits(h)
