@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -17,6 +18,16 @@ from fluxlab.engine.scheduler import ScheduledBatch
 log = logging.getLogger("fluxlab.engine")
 
 Rows = list[tuple[int, int, list[int]]]
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs as plain host data: the flattened tokens and their positions, and per
+    row (first_block, num_blocks, decodes, page_table). Rank 0 broadcasts it to TP workers."""
+
+    token_ids: list[int]
+    positions: list[int]
+    rows: list[tuple[int, int, bool, list[int]]]
 
 
 class DecodeGraph:
@@ -83,6 +94,7 @@ class ModelRunner:
         self.attention = self._make_backend(backend)
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}  # (blocks per row, batch size)
         self.graph_mode = "padded"
+        self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
 
     def _make_backend(self, backend: str):
         if backend == "sdpa":
@@ -126,33 +138,44 @@ class ModelRunner:
             left -= min(size, left)
         return chunks
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> Optional[torch.Tensor]:
-        """One forward over every row; logits [rows that decode, block_length, vocab] in fp32."""
+    def prepare(self, batch: ScheduledBatch) -> "StepInputs":
+        """A scheduled batch as plain host data (what a TP worker receives from rank 0)."""
         bl = self.block_length
-        rows: Rows = [(r.first_block, r.num_blocks, r.request.page_table) for r in batch.rows]
-        token_lists, positions, logit_index = [], [], []
-        offset = 0
+        token_ids, positions, rows = [], [], []
         for row in batch.rows:
             start = row.first_block * bl
             length = row.num_blocks * bl
-            token_lists.extend(row.request.tokens[start:start + length])
-            positions.append(torch.arange(start, start + length))
-            if row.decodes:
-                logit_index.append(torch.arange(offset + length - bl, offset + length))
-            offset += length
-        ids = torch.tensor(token_lists, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.cat(positions).to(self.device, non_blocking=True)
-        blocks = batch.rows[0].num_blocks
-        uniform = blocks <= 2 and all(r.decodes and r.num_blocks == blocks for r in batch.rows)
-        chunks = self._graph_chunks(len(rows)) if uniform and self.graphs else None
+            token_ids.extend(row.request.tokens[start:start + length])
+            positions.extend(range(start, start + length))
+            rows.append((row.first_block, row.num_blocks, row.decodes, list(row.request.page_table)))
+        return StepInputs(token_ids, positions, rows)
+
+    def run(self, batch: ScheduledBatch) -> Optional[torch.Tensor]:
+        """One forward over every row; logits [rows that decode, block_length, vocab] in fp32."""
+        inputs = self.prepare(batch)
+        if self.on_step is not None:
+            self.on_step(inputs)
+        return self.execute(inputs)
+
+    @torch.inference_mode()
+    def execute(self, inputs: "StepInputs") -> Optional[torch.Tensor]:
+        bl = self.block_length
+        rows: Rows = [(first, n, table) for first, n, _, table in inputs.rows]
+        logit_index, offset = [], 0
+        for first, n, decodes, _ in inputs.rows:
+            if decodes:
+                logit_index.append(torch.arange(offset + (n - 1) * bl, offset + n * bl))
+            offset += n * bl
+        ids = torch.tensor(inputs.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(inputs.positions, dtype=torch.long).to(self.device, non_blocking=True)
+        pure_decode = all(decodes and n == 1 for _, n, decodes, _ in inputs.rows)
+        chunks = self._graph_chunks(len(rows)) if pure_decode and self.graphs else None
         if chunks is not None:
             logits, done = [], 0
-            span = blocks * bl
             for size in chunks:
                 take = min(size, len(rows) - done)
-                part = self.graphs[blocks, size].replay(self, ids[done * span:(done + take) * span],
-                                                        pos[done * span:(done + take) * span], rows[done:done + take])
+                part = self.graphs[size].replay(self, ids[done * bl:(done + take) * bl],
+                                                pos[done * bl:(done + take) * bl], rows[done:done + take])
                 # Graphs share one memory pool: copy a chunk out before the next replay reuses it.
                 logits.append(part.clone() if len(chunks) > 1 else part)
                 done += take
