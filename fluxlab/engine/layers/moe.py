@@ -11,11 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fluxlab.engine.layers.norm import use_fused
+
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int,
           n_group: int, topk_group: int, routed_scaling_factor: float):
     """x [T, H] -> (topk_idx [T, top_k] int64, topk_weight [T, top_k] fp32)."""
     logits = F.linear(x.float(), gate_weight.float())
+    if use_fused(x):  # one Triton launch for everything after the GEMM (ties: lowest index first)
+        from fluxlab.kernels.fused_norm import route_topk_from_logits
+
+        return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor)
     scores = torch.sigmoid(logits)
     choice = scores + expert_bias.float() if expert_bias is not None else scores
     num_tokens, num_experts = choice.shape

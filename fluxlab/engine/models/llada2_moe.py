@@ -18,7 +18,7 @@ from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, Pa
                                           RowParallelLinear, VocabParallelEmbedding, all_reduce,
                                           get_parallel_dims)
 from fluxlab.engine.layers.moe import MoEGate, StackedExperts
-from fluxlab.engine.layers.norm import RMSNorm, rms_norm
+from fluxlab.engine.layers.norm import RMSNorm, rms_norm, use_fused
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
 
 
@@ -179,10 +179,19 @@ class LLaDA2MoeAttention(nn.Module):
     def forward(self, x, cos_sin, attn):
         T = x.shape[0]
         qkv = self.query_key_value(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        if use_fused(qkv):  # QK-norm + partial RoPE + contiguous q/k/v in one Triton launch
+            from fluxlab.kernels.fused_norm import qk_norm_rope
+
+            qw = self.query_layernorm.weight if self.use_qk_norm else None
+            kw = self.key_layernorm.weight if self.use_qk_norm else None
+            q, k, v = qk_norm_rope(qkv, None, qw, kw, self.eps, cos[:, 0], sin[:, 0], self.num_heads,
+                                   self.num_kv_heads, self.head_dim, cos.shape[-1])
+            o = attn.forward(self.layer_idx, q, k, v)
+            return self.dense(o.reshape(T, self.num_heads * self.head_dim))
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:  # per-head norm before RoPE, as published
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        cos, sin = cos_sin
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         o = attn.forward(self.layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
         return self.dense(o.reshape(T, self.num_heads * self.head_dim))
@@ -200,7 +209,13 @@ class LLaDA2MoeDecoderLayer(nn.Module):
                     else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device, dims))
 
     def forward(self, x, cos_sin, attn):
-        x = x + self.attention(self.input_layernorm(x), cos_sin, attn)
+        h = self.attention(self.input_layernorm(x), cos_sin, attn)
+        if use_fused(x):  # residual add (rounded to x.dtype, as torch's add) + post-attention norm, one launch
+            from fluxlab.kernels.fused_norm import add_rms_norm
+
+            normed, x = add_rms_norm(h, x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+            return x + self.mlp(normed)
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
