@@ -1,0 +1,221 @@
+"""ParallelEngine: TP/EP rank 0 in the calling process, tp_size - 1 spawned workers in lockstep.
+
+Rank 0 alone schedules and decodes; before each forward it broadcasts the step's StepInputs over
+a gloo control group, then every rank runs the same forward. A worker that dies turns the next
+step (or the one in flight) into a RuntimeError naming its rank and exit code; one that fails
+while starting is reported with its rank and traceback within parallel.startup_timeout_s.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from multiprocessing.connection import wait as wait_sentinels
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fluxlab.engine.distributed.worker import SHUTDOWN, RankEngine, init_distributed, rank_device, worker_main
+from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger("fluxlab.engine")
+
+# After a worker dies mid-step, how long rank 0 waits for its own collective to fail (gloo sees
+# the closed socket at once) before aborting the NCCL group, which would otherwise wait out its timeout.
+_ABORT_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_config_for(cfg: DictConfig):
+    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loader import read_config
+    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+
+    model_dir = resolve_model_dir(cfg.model)
+    if model_dir is not None:
+        return read_config(model_dir)
+    from fluxlab.checkpoint import preset_checkpoint_config
+
+    return LLaDA2MoeConfig.from_dict(preset_checkpoint_config(cfg.model.preset)[0])
+
+
+class ParallelEngine(RankEngine):
+    def __init__(self, cfg: DictConfig):
+        from omegaconf import OmegaConf
+
+        from fluxlab.engine.models.llada2_moe import check_parallel
+
+        par = cfg.parallel
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process; shut it down first")
+        check_parallel(model_config_for(cfg), par.tp_size, par.ep_size)  # before any process starts
+        self.tp_size = par.tp_size
+        self.startup_timeout_s = float(par.startup_timeout_s)
+        self._failure: str | None = None
+        self._closed = False
+        self._in_step_since: float | None = None
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self._messages = ctx.Queue()
+        container = OmegaConf.to_container(cfg, resolve=True)
+        self._workers = {rank: ctx.Process(target=worker_main, args=(container, rank, port, self._messages),
+                                           name=f"fluxlab-tp-rank{rank}", daemon=True)
+                         for rank in range(1, par.tp_size)}
+        for process in self._workers.values():
+            process.start()
+        cfg0 = OmegaConf.create(container)
+        cfg0.engine.device = rank_device(cfg.engine.device, 0)
+        try:
+            started = time.monotonic()
+            control = init_distributed(cfg0, 0, port)
+            super().__init__(cfg0, control)
+            self._await_ready(started + self.startup_timeout_s)
+        except BaseException as err:
+            report = self._failure_report(wait_s=2.0) or f"{type(err).__name__}: {err}"
+            self._stop_workers(graceful=False)
+            self._leave_group()
+            raise RuntimeError(f"tensor-parallel startup failed (parallel.tp_size={par.tp_size}, "
+                               f"parallel.ep_size={par.ep_size}): {report}") from err
+        self.cfg = cfg
+        self.runner.on_step = self._broadcast_step
+        self._monitor = threading.Thread(target=self._watch_workers, name="fluxlab-tp-monitor", daemon=True)
+        self._monitor.start()
+        log.info("tensor parallel: tp_size=%d ep_size=%d (%s), %d workers ready", par.tp_size, par.ep_size,
+                 par.distributed_backend, len(self._workers))
+
+    # --- startup ---
+    def _await_ready(self, deadline: float) -> None:
+        pending = set(self._workers)
+        while pending:
+            try:
+                kind, rank, detail = self._messages.get(timeout=0.2)
+            except queue.Empty:
+                dead = self._dead_workers()
+                if dead:
+                    raise RuntimeError(self._failure_report(wait_s=1.0))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel rank(s) {sorted(pending)} not ready within "
+                                       f"parallel.startup_timeout_s={self.startup_timeout_s:g}")
+                continue
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed during startup:\n{detail}")
+            pending.discard(rank)
+
+    # --- failures ---
+    def _dead_workers(self) -> dict[int, int]:
+        return {rank: p.exitcode for rank, p in self._workers.items() if p.exitcode is not None}
+
+    def _failure_report(self, wait_s: float = 0.0) -> str:
+        """Which ranks died (exit codes) and the tracebacks they sent, waiting up to wait_s for them."""
+        deadline = time.monotonic() + wait_s
+        errors: dict[int, str] = {}
+        while True:
+            try:
+                kind, rank, detail = self._messages.get(timeout=0.05)
+                if kind == "error":
+                    errors[rank] = detail
+                continue
+            except (queue.Empty, OSError, ValueError):
+                pass
+            if errors or self._dead_workers() or time.monotonic() > deadline:
+                break
+        dead = self._dead_workers()
+        parts = [f"tensor-parallel worker rank {rank} exited with code {code}" for rank, code in sorted(dead.items())]
+        parts += [f"rank {rank} reported:\n{tb}" for rank, tb in sorted(errors.items())]
+        return "; ".join(parts)
+
+    def _watch_workers(self) -> None:
+        """Notice a worker's death at once (not at the next step) and unblock a stuck NCCL step."""
+        sentinels = {p.sentinel: rank for rank, p in self._workers.items()}
+        while sentinels and not self._closed:
+            ready = wait_sentinels(list(sentinels), timeout=1.0)
+            if self._closed or not ready:
+                continue
+            self._failure = self._failure_report(wait_s=0.5)
+            log.error("%s", self._failure)
+            if self.cfg.parallel.distributed_backend == "nccl":
+                time.sleep(_ABORT_GRACE_S)
+                if self._in_step_since is not None:
+                    self._abort_group()
+            return
+
+    def _abort_group(self) -> None:
+        try:
+            import torch
+
+            dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda")).abort()
+        except Exception:  # noqa: BLE001 - best effort: the timeout still ends the wait
+            log.exception("could not abort the NCCL group")
+
+    # --- the step ---
+    def _broadcast_step(self, inputs) -> None:
+        if self._failure is not None or self._dead_workers():
+            raise RuntimeError(self._failure or self._failure_report(wait_s=0.5))
+        dist.broadcast_object_list([inputs], src=0, group=self.runner_control)
+
+    @property
+    def runner_control(self):
+        return self._control
+
+    def step(self):
+        if self._closed:
+            raise RuntimeError("the tensor-parallel engine is shut down")
+        self._in_step_since = time.monotonic()
+        try:
+            return super().step()
+        except Exception as err:
+            if self._failure is None:
+                report = self._failure_report(wait_s=2.0)
+                if not report:
+                    raise
+                self._failure = report
+            raise RuntimeError(self._failure) from err
+        finally:
+            self._in_step_since = None
+
+    # --- shutdown ---
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._closed:
+            return
+        self._stop_workers(graceful=True)
+        self._leave_group()
+
+    def _stop_workers(self, graceful: bool) -> None:
+        self._closed = True
+        if graceful and not self._dead_workers() and self._failure is None:
+            try:
+                dist.broadcast_object_list([SHUTDOWN], src=0, group=self._control)
+            except Exception:  # noqa: BLE001
+                log.exception("could not send shutdown to the workers")
+        deadline = time.monotonic() + (10.0 if graceful else 0.0)
+        for process in self._workers.values():
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._workers.values():
+            if process.is_alive():
+                process.terminate()
+                process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._messages.close()
+
+    @staticmethod
+    def _leave_group() -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                log.exception("destroy_process_group failed")
+        set_parallel_dims(ParallelDims())
