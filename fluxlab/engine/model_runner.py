@@ -168,14 +168,16 @@ class ModelRunner:
             offset += n * bl
         ids = torch.tensor(inputs.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(inputs.positions, dtype=torch.long).to(self.device, non_blocking=True)
-        pure_decode = all(decodes and n == 1 for _, n, decodes, _ in inputs.rows)
-        chunks = self._graph_chunks(len(rows)) if pure_decode and self.graphs else None
+        blocks = inputs.rows[0][1]
+        uniform = blocks <= 2 and all(decodes and n == blocks for _, n, decodes, _ in inputs.rows)
+        chunks = self._graph_chunks(len(rows)) if uniform and self.graphs else None
         if chunks is not None:
             logits, done = [], 0
+            span = blocks * bl
             for size in chunks:
                 take = min(size, len(rows) - done)
-                part = self.graphs[size].replay(self, ids[done * bl:(done + take) * bl],
-                                                pos[done * bl:(done + take) * bl], rows[done:done + take])
+                part = self.graphs[blocks, size].replay(self, ids[done * span:(done + take) * span],
+                                                        pos[done * span:(done + take) * span], rows[done:done + take])
                 # Graphs share one memory pool: copy a chunk out before the next replay reuses it.
                 logits.append(part.clone() if len(chunks) > 1 else part)
                 done += take

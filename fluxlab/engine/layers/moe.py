@@ -161,12 +161,14 @@ class StackedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size,
                                                dtype=dtype, device=device), requires_grad=False)
 
-    backend = "auto"  # engine.moe_backend: auto | grouped_mm | triton | torch
+    backend = "auto"  # engine.moe_backend: grouped_mm | triton | torch | loop (the engine resolves auto)
 
     def forward(self, x, topk_idx, topk_weight):
         if not self.partial:
+            if self.backend == "loop":  # the published modeling code's per-expert loop (baseline timings)
+                return moe_reference(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
             if x.is_cuda and self.backend != "torch":
-                # Sync-free paths (CUDA-graph capturable); auto = grouped_mm, the faster one measured on H200.
+                # Sync-free paths (CUDA-graph capturable).
                 from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe
 
                 kernel = fused_moe if self.backend == "triton" else grouped_mm_moe
