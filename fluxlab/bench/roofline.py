@@ -133,7 +133,7 @@ def profile_decode(engine, prompts: list[list[int]], steps: int) -> None:
 
 def main() -> None:
     from fluxlab.config import compose, validate_config
-    from fluxlab.engine.llm_engine import LLMEngine
+    from fluxlab.engine.llm_engine import LLMEngine, make_engine
     from fluxlab.engine.model_runner import ModelRunner
 
     ap = argparse.ArgumentParser()
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="also time the reference generate at batch 1")
     ap.add_argument("--moe-backend", default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of decode steps")
+    ap.add_argument("--parallel", default=None, help="a parallel group (tp2_ep2, tp4_ep4): one engine per variant")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -156,36 +157,60 @@ def main() -> None:
                  "model.max_model_len=1024"]
     if args.moe_backend:
         overrides.append(f"engine.moe_backend={args.moe_backend}")
+    if args.parallel:
+        overrides.append(f"parallel={args.parallel}")
     cfg = compose("generate", overrides)
     validate_config(cfg)
+    tp = cfg.parallel.tp_size
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     print(f"ceilings: HBM copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    if tp > 1:  # each rank streams its own shard: the floor uses the HBM and FLOPs of all tp GPUs
+        ceilings = {k: v * tp for k, v in ceilings.items()}
+
+    def variant_engine(variant: str):
+        """Single GPU: swap the runner of one engine. TP: a fresh engine (its workers own runners)."""
+        backend = variant.split("+")[0]
+        graphs = variant.endswith("+graph")
+        if tp > 1:
+            extra = [f"attention={backend}", f"attention.use_decode_cuda_graph={str(graphs).lower()}",
+                     f"attention.cuda_graph_capture_bs=[{','.join(map(str, sizes))}]"]
+            vcfg = compose("generate", overrides + extra)
+            validate_config(vcfg)
+            return make_engine(vcfg)
+        engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
+                                    engine.dtype, backend, engine.max_model_len // engine.block_length)
+        if graphs:
+            t0 = time.perf_counter()
+            engine.runner.capture_decode_graphs(sizes, "padded")
+            print(f"{variant}: captured {sizes} in {time.perf_counter() - t0:.1f} s", flush=True)
+        return engine
+
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg)
-    print(f"engine built in {time.perf_counter() - t0:.1f} s ({engine.kv_total_pages} KV pages)", flush=True)
-    prompts = gsm8k_prompts(engine.tokenizer, max_bs)
+    engine = LLMEngine(cfg) if tp == 1 else None
+    if engine is not None:
+        print(f"engine built in {time.perf_counter() - t0:.1f} s ({engine.kv_total_pages} KV pages)", flush=True)
+    from fluxlab.engine.llm_engine import load_tokenizer
+
+    prompts = gsm8k_prompts(load_tokenizer(None), max_bs)
     mean_prompt = statistics.mean(len(p) for p in prompts)
     results = {"ceilings": ceilings, "preset": args.preset, "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "rows": []}
     for variant in args.variants.split(","):
-        backend = variant.split("+")[0]
+        run_engine = None
         try:
-            engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
-                                        engine.dtype, backend, engine.max_model_len // engine.block_length)
-            if variant.endswith("+graph"):
-                t0 = time.perf_counter()
-                engine.runner.capture_decode_graphs(sizes, "padded")
-                print(f"{variant}: captured {sizes} in {time.perf_counter() - t0:.1f} s", flush=True)
-            run_batch(engine, prompts[:1], 64, args.steps)  # warm-up (JIT, allocator)
+            t0 = time.perf_counter()
+            run_engine = variant_engine(variant)
+            print(f"{variant}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+            run_batch(run_engine, prompts[:1], 64, args.steps)  # warm-up (JIT, allocator)
             if args.profile:
-                profile_decode(engine, prompts[:sizes[0]], args.steps)
+                profile_decode(run_engine, prompts[:sizes[0]], args.steps)
             for bs in sizes:
-                stats = run_batch(engine, prompts[:bs], args.max_new_tokens, args.steps)
+                stats = run_batch(run_engine, prompts[:bs], args.max_new_tokens, args.steps)
                 context = mean_prompt + args.max_new_tokens / 2
-                floor = decode_floor(engine.model_config, bs, args.block, context, ceilings)
-                row = {"variant": variant, "batch": bs, **stats, **floor}
+                floor = decode_floor(run_engine.model_config, bs, args.block, context, ceilings)
+                row = {"variant": variant, "batch": bs, "tp": tp, **stats, **floor}
                 row["ratio"] = row["decode_ms_median"] / floor["floor_ms"] if row["decode_ms_median"] else None
                 results["rows"].append(row)
                 print(f"{variant:>18} bs={bs:>3}: decode {row['decode_ms_median']:.2f} ms (floor {floor['floor_ms']:.2f}, "
@@ -197,16 +222,20 @@ def main() -> None:
 
             traceback.print_exc()
             results["rows"].append({"variant": variant, "error": repr(err)})
-        engine.runner = None
+        if tp > 1 and run_engine is not None:
+            run_engine.shutdown()
+        elif engine is not None:
+            engine.runner = None
         torch.cuda.empty_cache()
-    if args.reference:
+    if args.reference and engine is not None:
         from fluxlab.engine.layers.moe import StackedExperts
         from fluxlab.engine.reference import reference_generate
 
         # Same algorithm twice: with fluxlab's model code, and with the published code's per-expert
         # MoE loop (what the checkpoint's own generate() runs).
         results["reference"] = {}
-        for label, backend, tokens in (("fluxlab model", engine.cfg.engine.moe_backend, args.max_new_tokens),
+        resolved = next(m.backend for m in engine.model.modules() if isinstance(m, StackedExperts))
+        for label, backend, tokens in (("fluxlab model", resolved, args.max_new_tokens),
                                        ("per-expert loop", "loop", 64)):
             for module in engine.model.modules():
                 if isinstance(module, StackedExperts):
