@@ -63,6 +63,7 @@ class ParallelEngine(RankEngine):
         self.tp_size = par.tp_size
         self.startup_timeout_s = float(par.startup_timeout_s)
         self._failure: str | None = None
+        self._worker_errors: dict[int, str] = {}
         self._closed = False
         self._in_step_since: float | None = None
         port = free_port()
@@ -78,7 +79,7 @@ class ParallelEngine(RankEngine):
         cfg0.engine.device = rank_device(cfg.engine.device, 0)
         try:
             started = time.monotonic()
-            control = init_distributed(cfg0, 0, port)
+            control = self._join_group(cfg0, port)
             super().__init__(cfg0, control)
             self._await_ready(started + self.startup_timeout_s)
         except BaseException as err:
@@ -95,6 +96,27 @@ class ParallelEngine(RankEngine):
                  par.distributed_backend, len(self._workers))
 
     # --- startup ---
+    def _join_group(self, cfg0, port: int):
+        """init_process_group waits for every rank: wait on it beside the workers' sentinels, so a
+        worker that dies before joining is reported at once, not after the rendezvous timeout."""
+        result: dict = {}
+
+        def join():
+            try:
+                result["control"] = init_distributed(cfg0, 0, port)
+            except BaseException as err:  # noqa: BLE001
+                result["error"] = err
+
+        joiner = threading.Thread(target=join, name="fluxlab-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.2)
+            if joiner.is_alive() and self._dead_workers():
+                raise RuntimeError(self._failure_report(wait_s=1.0))
+        if "error" in result:
+            raise result["error"]
+        return result["control"]
+
     def _await_ready(self, deadline: float) -> None:
         pending = set(self._workers)
         while pending:
@@ -109,7 +131,8 @@ class ParallelEngine(RankEngine):
                                        f"parallel.startup_timeout_s={self.startup_timeout_s:g}")
                 continue
             if kind == "error":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed during startup:\n{detail}")
+                self._worker_errors[rank] = detail
+                raise RuntimeError(self._failure_report(wait_s=1.0))
             pending.discard(rank)
 
     # --- failures ---
@@ -119,7 +142,7 @@ class ParallelEngine(RankEngine):
     def _failure_report(self, wait_s: float = 0.0) -> str:
         """Which ranks died (exit codes) and the tracebacks they sent, waiting up to wait_s for them."""
         deadline = time.monotonic() + wait_s
-        errors: dict[int, str] = {}
+        errors = self._worker_errors  # kept: a report may be asked for twice
         while True:
             try:
                 kind, rank, detail = self._messages.get(timeout=0.05)

@@ -64,6 +64,8 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     try:
+        if os.environ.get("FLUXLAB_FAIL_RANK") == str(rank):  # fault injection for tests/test_parallel.py
+            raise RuntimeError(f"injected startup failure on rank {rank}")
         cfg = OmegaConf.create(cfg_container)
         cfg.engine.device = rank_device(cfg.engine.device, rank)
         if cfg.engine.device == "cpu":

@@ -1,0 +1,145 @@
+"""Tensor/expert parallelism on CPU with gloo (tiny model, fp32, temperature 0): every TP/EP layout
+gives the tp_size=1 tokens and logits, a dead worker is an error (not a hang), shutdown leaves no
+child process. `pytest -m gpu`: tp2_ep2 on two GPUs."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from fluxlab.engine.model_runner import StepInputs
+from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, check_parallel
+from fluxlab.engine.request import SamplingParams
+from fluxlab.llm import LLM
+
+BL = 16
+BASE = ["engine.dtype=float32", "engine.device=cpu", f"decoding.block_length={BL}", "model.max_model_len=256",
+        "scheduler.max_num_seqs=4", "scheduler.max_scheduled_tokens=128", "parallel.startup_timeout_s=60"]
+PROMPTS = ["Janet has 16 eggs. She eats three for breakfast and", "The ducks at the market", "Let us think"]
+PARAMS = SamplingParams(max_new_tokens=32, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tp1() -> LLM:
+    return LLM(overrides=BASE)
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tp1) -> list[list[int]]:
+    return [r.token_ids for r in tp1.generate(PROMPTS, PARAMS)]
+
+
+def forward_inputs(vocab_size: int) -> StepInputs:
+    """One prefill+decode row of two blocks on pages 0 and 1 (free once a generate returned)."""
+    ids = [(7 * i + 3) % vocab_size for i in range(2 * BL)]
+    return StepInputs(ids, list(range(2 * BL)), [(0, 2, True, [0, 1])])
+
+
+def parallel_llm(*overrides: str) -> LLM:
+    return LLM(overrides=BASE + list(overrides))
+
+
+def assert_matches_tp1(llm: LLM, tp1: LLM, tp1_tokens) -> None:
+    got = [r.token_ids for r in llm.generate(PROMPTS, PARAMS)]
+    assert got == tp1_tokens
+    inputs = forward_inputs(tp1.engine.model_config.vocab_size)
+    want = tp1.engine.runner.execute(inputs)
+    runner = llm.engine.runner
+    runner.on_step(inputs)  # the workers run the same forward
+    logits = runner.execute(inputs)
+    # Row-parallel sums only reorder fp32 additions. The tiny model's logits reach ~80, where one
+    # fp32 ulp is ~1e-5, so the bound is 1e-5 of the logit scale (measured: ~3e-5 absolute).
+    assert logits.shape == want.shape
+    assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(logits.argmax(-1), want.argmax(-1))
+    assert llm.engine.kv_free_pages == llm.engine.kv_total_pages
+
+
+def assert_no_children(llm: LLM) -> None:
+    pids = [p.pid for p in llm.engine._workers.values()]
+    llm.shutdown()
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("layout", ["parallel=tp2_ep2", "parallel=tp2"])
+def test_two_ranks_give_tp1_tokens_and_logits(tp1, tp1_tokens, layout):
+    llm = parallel_llm(layout)
+    try:
+        assert llm.engine.model.num_local_heads == 2 and llm.engine.model.num_local_kv_heads == 1
+        assert_matches_tp1(llm, tp1, tp1_tokens)
+    finally:
+        assert_no_children(llm)
+
+
+def test_four_ranks_replicate_kv_heads_and_give_tp1_tokens(tp1, tp1_tokens):
+    llm = parallel_llm("parallel=tp4_ep4")  # tiny: 4 heads, 2 kv heads -> each kv head on 2 ranks
+    try:
+        model = llm.engine.model
+        assert (model.num_local_heads, model.num_local_kv_heads) == (1, 1)
+        assert model.layers[1].mlp.experts.w_gate_up.shape[0] == 16 // 4
+        assert [r.token_ids for r in llm.generate(PROMPTS, PARAMS)] == tp1_tokens
+    finally:
+        assert_no_children(llm)
+
+
+def test_a_worker_killed_mid_run_is_an_error_naming_the_rank_not_a_hang():
+    llm = parallel_llm("parallel=tp2_ep2")
+    try:
+        engine = llm.engine
+        engine.add_request(llm.encode(PROMPTS[0]), SamplingParams(max_new_tokens=64, temperature=0.0))
+        engine.step()
+        os.kill(engine._workers[1].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 exited with code -9"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - started < 30
+    finally:
+        assert_no_children(llm)
+
+
+def test_a_worker_failing_at_startup_is_reported_with_its_rank(monkeypatch):
+    monkeypatch.setenv("FLUXLAB_FAIL_RANK", "1")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1.*injected startup failure on rank 1"):
+        parallel_llm("parallel=tp2_ep2", "parallel.startup_timeout_s=30")
+    assert time.monotonic() - started < 30
+    assert multiprocessing.active_children() == []
+
+
+def test_model_specific_parallel_rules_name_the_keys_and_the_model_numbers():
+    with pytest.raises(ValueError, match=r"parallel.tp_size=8 must divide the model's num_attention_heads=4"):
+        parallel_llm("parallel.tp_size=8", "parallel.ep_size=8")
+    c = LLaDA2MoeConfig(num_attention_heads=16, num_key_value_heads=4, num_experts=24, n_group=8)
+    with pytest.raises(ValueError, match=r"parallel.ep_size=16 must divide the model's num_experts=24"):
+        check_parallel(c, 16, 16)
+    check_parallel(LLaDA2MoeConfig(), 8, 8)  # mini: 16 heads, 4 kv heads (replicated at tp 8), 256 experts
+
+
+def test_tp4_ep4_group_validates():
+    from fluxlab.config import compose, validate_config
+
+    cfg = compose("generate", ["parallel=tp4_ep4", "engine.device=cpu"])
+    validate_config(cfg, cuda_available=False)
+    assert (cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.distributed_backend) == (4, 4, "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_ep2_on_two_gpus_gives_tp1_tokens_and_logits():
+    gpu = ["engine.device=cuda"]
+    tp1 = LLM(overrides=BASE + gpu)
+    tokens = [r.token_ids for r in tp1.generate(PROMPTS, PARAMS)]
+    llm = parallel_llm("parallel=tp2_ep2", *gpu)
+    try:
+        assert llm.engine.cfg.parallel.distributed_backend == "nccl"
+        assert_matches_tp1(llm, tp1, tokens)
+    finally:
+        assert_no_children(llm)
