@@ -52,9 +52,9 @@ def _serve_single(cfg: DictConfig) -> None:
     from fluxlab.server.app import build_app
     from fluxlab.server.async_engine import AsyncEngine
 
-    from fluxlab.engine.llm_engine import LLMEngine
+    from fluxlab.engine.llm_engine import make_engine
 
-    engine = LLMEngine(cfg)  # loads before the socket opens: the ready line means ready to serve
+    engine = make_engine(cfg)  # loads before the socket opens: the ready line means ready to serve
     async_engine = AsyncEngine(engine, cfg.server.max_waiting_requests)
     app = build_app(cfg, async_engine)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
