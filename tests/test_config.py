@@ -205,3 +205,14 @@ def test_sweep_group_sets_multirun_params():
     text = (PROJECT_ROOT / "sweeps" / "threshold.yaml").read_text()
     assert "MULTIRUN" in text and "decoding.threshold" in text
     assert cfg.decoding.decoder == "threshold"
+
+
+def test_float32_on_cuda_uses_sdpa_and_refuses_flashinfer():
+    cfg, _ = valid(["engine.dtype=float32"], cuda=True)
+    assert cfg.attention.backend == "sdpa"
+    with pytest.raises(ConfigError) as err:
+        valid(["engine.dtype=float32", "attention=flashinfer"], cuda=True)
+    assert "attention.backend=flashinfer has no float32 kernels" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        valid(["attention=sdpa", "attention.use_decode_cuda_graph=true"], cuda=True)
+    assert "attention.use_decode_cuda_graph needs attention.backend=flashinfer" in str(err.value)

@@ -122,11 +122,15 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
 
         # --- attention ---
         if attn.backend == "auto":
-            attn.backend = "flashinfer" if on_cuda else "sdpa"
+            # FlashInfer has no fp32 kernels: exact-parity (float32) runs on CUDA use sdpa.
+            attn.backend = "flashinfer" if on_cuda and eng.dtype != "float32" else "sdpa"
         _check(attn.backend in BACKENDS, f"attention.backend={attn.backend!r}: use one of auto, {', '.join(BACKENDS)}")
         _check(on_cuda or attn.backend == "sdpa",
                f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
                "use attention=sdpa on CPU")
+        _check(attn.backend != "flashinfer" or eng.dtype != "float32",
+               "attention.backend=flashinfer has no float32 kernels (engine.dtype=float32); use attention=sdpa "
+               "or engine.dtype=bfloat16")
         _check(attn.cuda_graph_decode_mode in ("padded", "decomposed"),
                f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode!r}: use padded or decomposed")
         if attn.use_cuda_graph:

@@ -18,6 +18,10 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel worker died): the server stops with this message."""
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding knobs. None means: take the engine's `decoding.*` / `model.*` default."""

@@ -13,9 +13,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
-from fluxlab.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("fluxlab.server")
 
@@ -70,6 +70,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="fluxlab-engine", daemon=True)
         self._stopped = threading.Event()
         self.error: Optional[str] = None
+        self.on_fatal: Optional[Callable[[str], None]] = None  # the server stops itself when the engine cannot go on
         self._refresh_snapshot()
 
     # ------------------------------------------------------------------ called from the event loop
@@ -142,6 +143,14 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     try:
                         self._step()
+                    except EngineFatalError as err:
+                        # No later step can succeed (a tensor-parallel rank is gone): stop serving.
+                        self.error = f"engine stopped: {err}"
+                        log.critical("%s", self.error)
+                        self._fail_all(EngineDead(self.error))
+                        if self.on_fatal is not None:
+                            self.on_fatal(self.error)
+                        break
                     except Exception as err:  # noqa: BLE001
                         self._recover(err)
         except BaseException as err:  # noqa: BLE001 - the loop must report, not vanish

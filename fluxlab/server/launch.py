@@ -60,7 +60,17 @@ def _serve_single(cfg: DictConfig) -> None:
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
                             access_log=cfg.server.log_level == "debug", timeout_graceful_shutdown=10)
     server = _Server(config, on_exit=async_engine.abort_all)
+    fatal: list[str] = []
+
+    def stop_on_fatal(message: str) -> None:  # engine thread: ask uvicorn to stop, exit non-zero after
+        fatal.append(message)
+        server.should_exit = True
+
+    async_engine.on_fatal = stop_on_fatal
     asyncio.run(_run_uvicorn(server, cfg.server.host))
+    if fatal:
+        print(f"fluxlab serve: {fatal[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 class _Server:

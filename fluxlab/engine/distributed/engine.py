@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fluxlab.engine.request import EngineFatalError
 from fluxlab.engine.distributed.worker import SHUTDOWN, RankEngine, init_distributed, rank_device, worker_main
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
 
@@ -184,7 +185,7 @@ class ParallelEngine(RankEngine):
     # --- the step ---
     def _broadcast_step(self, inputs) -> None:
         if self._failure is not None or self._dead_workers():
-            raise RuntimeError(self._failure or self._failure_report(wait_s=0.5))
+            raise EngineFatalError(self._failure or self._failure_report(wait_s=0.5))
         dist.broadcast_object_list([inputs], src=0, group=self.runner_control)
 
     @property
@@ -203,7 +204,7 @@ class ParallelEngine(RankEngine):
                 if not report:
                     raise
                 self._failure = report
-            raise RuntimeError(self._failure) from err
+            raise EngineFatalError(self._failure) from err
         finally:
             self._in_step_since = None
 

@@ -1,0 +1,40 @@
+"""A tensor-parallel server whose worker dies stops with a clear message instead of hanging."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+
+from server_helpers import ServerProcess, wait_until
+
+OVERRIDES = ["parallel=tp2_ep2", "engine.device=cpu", "engine.dtype=float32", "decoding.block_length=16",
+             "model.max_model_len=256", "server.host=127.0.0.1", "server.port=0"]
+
+
+def spawned_workers(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in children
+            if "spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def test_a_dead_worker_takes_the_server_down_with_a_clear_message(tmp_path):
+    server = ServerProcess(OVERRIDES, tmp_path)
+    try:
+        body = {"model": "tiny_llada2", "prompt": "Hello there", "max_tokens": 16}
+        assert server.post("/v1/completions", json=body).status_code == 200
+        [worker] = spawned_workers(server.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        try:
+            response = server.post("/v1/completions", json=body)
+            assert response.status_code >= 500
+        except httpx.HTTPError:
+            pass  # the server may already be gone
+        assert wait_until(lambda: server.proc.poll() is not None, timeout_s=60)
+        assert server.proc.returncode == 1
+        assert "rank 1 exited with code -9" in server.log()
+    finally:
+        server.kill()
