@@ -24,29 +24,12 @@ from fluxlab.engine.chat import encode_chat
 from fluxlab.engine.request import SamplingParams
 
 
-def measure_ceilings(device: torch.device) -> dict:
-    """Copy bandwidth (read + write bytes / s) and dense bf16 matmul FLOP/s on this GPU."""
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+def measure_ceilings() -> dict:
+    """HBM copy bandwidth (read + write bytes/s) and bf16 matmul FLOP/s, measured now on this GPU."""
+    from fluxlab.kernels.bench_moe import measure_ceilings as measure
 
-    def timed(fn, reps):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-
-    copy_s = timed(lambda: dst.copy_(src), 20)
-    mm_s = timed(lambda: a @ b, 20)
-    del src, dst, a, b
-    torch.cuda.empty_cache()
-    return {"hbm_bytes_per_s": 2 * 2 * 2**30 / copy_s, "bf16_flops_per_s": 2 * 8192**3 / mm_s}
+    ceilings = measure()
+    return {"hbm_bytes_per_s": ceilings["copy_bytes_per_s"], "bf16_flops_per_s": ceilings["bf16_flops_per_s"]}
 
 
 def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict) -> dict:
@@ -163,7 +146,7 @@ def main() -> None:
     validate_config(cfg)
     tp = cfg.parallel.tp_size
     device = torch.device("cuda")
-    ceilings = measure_ceilings(device)
+    ceilings = measure_ceilings()
     print(f"ceilings: HBM copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     if tp > 1:  # each rank streams its own shard: the floor uses the HBM and FLOPs of all tp GPUs
