@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -201,7 +200,6 @@ def test_multirun_composes_one_config_per_sweep_point(tmp_path):
 
 def test_sweep_group_sets_multirun_params():
     cfg = compose("bench", ["sweep=threshold"])
-    from hydra.core.global_hydra import GlobalHydra  # noqa: F401  (compose leaves hydra node out)
     text = (PROJECT_ROOT / "sweeps" / "threshold.yaml").read_text()
     assert "MULTIRUN" in text and "decoding.threshold" in text
     assert cfg.decoding.decoder == "threshold"
