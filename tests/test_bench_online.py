@@ -31,7 +31,7 @@ def make_stub():
 
     # 12 tokens whatever the text says: the client must count the server's tokens, not re-tokenise.
     usage = {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
-             "fluxlab": {"forwards": 4, "tokens_per_forward": 4.5}}
+             "fluxlab": {"forwards": 4, "tokens_accepted": 18, "tokens_per_forward": 4.5}}
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):

@@ -52,17 +52,10 @@ def request_body(prompt: BenchPrompt, model: str, knobs: dict[str, Any], stream:
 
 
 def _decoder_counts(usage: dict[str, Any]) -> tuple[Optional[int], Optional[int]]:
-    """(forwards, tokens accepted) from the server's `usage.fluxlab` extension, when present.
-
-    The server reports forwards and the per-request tokens_per_forward (rounded to 4 decimals), so
-    accepted = tpf x forwards is exact after rounding for any request under 5000 forwards.
-    """
+    """(forwards, tokens accepted) from the server's `usage.fluxlab` extension, when present."""
     extra = usage.get("fluxlab") or {}
-    forwards = extra.get("forwards")
-    if forwards is None:
-        return None, None
-    tpf = extra.get("tokens_per_forward")
-    return int(forwards), None if tpf is None else round(float(tpf) * int(forwards))
+    forwards, accepted = extra.get("forwards"), extra.get("tokens_accepted")
+    return (None if forwards is None else int(forwards)), (None if accepted is None else int(accepted))
 
 
 async def _events(response: httpx.Response, stream: bool) -> AsyncIterator[dict[str, Any]]:

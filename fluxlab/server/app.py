@@ -369,7 +369,8 @@ def _usage(prompt_tokens: int, last: RequestOutput) -> dict:
     stats = last.stats
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(last.token_ids),
             "total_tokens": prompt_tokens + len(last.token_ids),
-            "fluxlab": {"forwards": stats.forwards, "tokens_per_forward": round(stats.tokens_per_forward, 4),
+            "fluxlab": {"forwards": stats.forwards, "tokens_accepted": stats.tokens_accepted,
+                        "tokens_per_forward": round(stats.tokens_per_forward, 4),
                         "blocks": stats.blocks_committed, "preemptions": stats.preemptions}}
 
 
