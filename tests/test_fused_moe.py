@@ -49,6 +49,20 @@ def _interpreter_checks() -> None:
         err = (out - ref).abs().max().item()
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (num_experts, hidden, inter, top_k, num_tokens, cfg, err)
 
+    # Expert parallel: ids == E mark slots that live on another rank; they contribute nothing.
+    num_experts, hidden, inter, top_k, num_tokens = 8, 64, 32, 4, 9
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(2 * num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w_down = torch.randn(2 * num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    idx, wts = _routing(num_tokens, 2 * num_experts, top_k, gen)   # over both ranks' experts
+    mine = idx < num_experts                                         # this rank holds experts 0..7
+    local = torch.where(mine, idx, num_experts)
+    ref = moe_reference(x, torch.where(mine, idx, 0), torch.where(mine, wts, 0.0),
+                        w_gate_up[:num_experts], w_down[:num_experts])
+    out = fused_moe(x, local, wts, w_gate_up[:num_experts], w_down[:num_experts], config=small,
+                    foreign_slots=True)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (out - ref).abs().max().item()
+
     # Alignment with more slots than one scan chunk (1024) and some experts left empty.
     num_experts, top_k, num_tokens, bm = 64, 4, 300, 16
     idx, _ = _routing(num_tokens, num_experts // 2, top_k, gen)   # experts 32..63 never hit

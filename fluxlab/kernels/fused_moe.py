@@ -295,9 +295,13 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int):
 
 
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-              w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+              w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None,
+              foreign_slots: bool = False) -> torch.Tensor:
     """x [T, H], topk_idx [T, K] int, topk_weight [T, K] fp32, w_gate_up [E, 2I, H], w_down [E, H, I]
-    -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes)."""
+    -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes).
+
+    foreign_slots: some ids are E (expert parallel: routed to another rank). The align step never
+    places them, so no GEMM work is spent on them, and they add zero to the combine."""
     if not HAVE_TRITON:
         raise RuntimeError("fused_moe needs triton")
     if not x.is_cuda and not _interpret():
@@ -332,7 +336,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M,
         EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=ieee, num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
 
-    slot_out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    # Foreign slots are never written by the down kernel: they must read as zero in the combine.
+    slot_out = (torch.zeros if foreign_slots else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     grid2 = (num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)
     _down_kernel[grid2](
         inter_buf, w_down, slot_out, topk_weight, sorted_ids, expert_ids, total,

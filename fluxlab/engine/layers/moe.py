@@ -181,8 +181,9 @@ class StackedExperts(nn.Module):
         if x.is_cuda and self.backend != "torch" and (self.backend == "triton" or not _grouped_mm_ok(x)):
             from fluxlab.kernels.fused_moe import fused_moe
 
-            # The triton kernel has no sentinel expert: foreign slots run local expert 0 at weight 0.
-            return fused_moe(x, torch.where(mine, local_idx, 0), weight, self.w_gate_up, self.w_down).float()
+            # Slots routed to other ranks get id num_local_experts: the kernel skips them entirely.
+            foreign = torch.where(mine, local_idx, self.num_local_experts)
+            return fused_moe(x, foreign, weight, self.w_gate_up, self.w_down, foreign_slots=True).float()
         return partial_moe(x, local_idx, weight, mine, self.w_gate_up, self.w_down)
 
 
