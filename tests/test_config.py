@@ -214,3 +214,10 @@ def test_float32_on_cuda_uses_sdpa_and_refuses_flashinfer():
     with pytest.raises(ConfigError) as err:
         valid(["attention=sdpa", "attention.use_decode_cuda_graph=true"], cuda=True)
     assert "attention.use_decode_cuda_graph needs attention.backend=flashinfer" in str(err.value)
+
+
+def test_a_model_that_is_not_on_disk_is_a_clear_error_not_a_traceback():
+    out = run_cli("serve", "model=llada2_mini", timeout=120)
+    assert out.returncode == 2
+    assert "model.path='inclusionAI/LLaDA2.0-mini' is not a local directory" in out.stderr
+    assert "Traceback" not in out.stderr

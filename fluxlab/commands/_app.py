@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -19,7 +20,15 @@ def hydra_app(command: str, body: Callable[[DictConfig], object]) -> Callable[[]
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=command)
     def _run(cfg: DictConfig) -> object:
-        return body(cfg)
+        try:
+            return body(cfg)
+        except (ValueError, FileNotFoundError) as err:
+            # A bad path, a missing or misshapen weight, a model that does not fit the parallel
+            # layout: the message says what to change; FLUXLAB_DEBUG=1 shows the traceback.
+            if os.environ.get("FLUXLAB_DEBUG"):
+                raise
+            print(f"fluxlab {command}: {err}", file=sys.stderr)
+            sys.exit(2)
 
     def main() -> None:
         register_configs()
