@@ -210,3 +210,33 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     assert alone.token_ids == together.token_ids
     other_seed = llm.generate([batch[0]], SamplingParams(max_new_tokens=30, temperature=3.0, top_k=50, top_p=0.95, seed=7, ignore_eos=True))[0]
     assert other_seed.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize("policy", ["paged", "dynamic", "static"])
+def test_scheduler_honours_seats_budget_and_fifo_admission(policy):
+    llm = engine_llm(f"scheduler={policy}", "scheduler.max_num_seqs=3", "scheduler.max_scheduled_tokens=64")
+    engine = llm.engine
+    scheduler = engine.scheduler
+    admitted, batches = [], []
+    original = scheduler.schedule
+
+    def recording_schedule():
+        before = set(id(r) for r in scheduler.running)
+        batch = original()
+        admitted.extend(r.request_id for r in scheduler.running if id(r) not in before)
+        batches.append((batch.num_tokens, len(scheduler.running)))
+        return batch
+
+    scheduler.schedule = recording_schedule
+    try:
+        batch = prompts(llm, [5, 40, 12, 30, 8, 20, 3], seed=21)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in batch]
+        finished = []
+        while engine.has_unfinished():
+            finished += [o.request_id for o in engine.step() if o.finished]
+    finally:
+        scheduler.schedule = original
+    assert sorted(finished) == sorted(ids)  # nobody starves
+    assert admitted == ids  # first come, first admitted
+    assert all(tokens <= 64 and running <= 3 for tokens, running in batches)
+    assert engine.kv_free_pages == engine.kv_total_pages
