@@ -53,9 +53,9 @@ def decode_step(requests: list[Request], logits: torch.Tensor, mask_id: int) -> 
     fill = torch.zeros_like(masked)
     edit = torch.zeros_like(masked)
     if "threshold" in kinds:
-        k = per_row([r.transfer_count() for r in requests], torch.long)
+        counts = [r.transfer_count() for r in requests]
         rows = per_row([p.decoder == "threshold" for p in params], torch.bool)[:, None]
-        fill |= rows & threshold_accept(conf, masked, threshold, k)
+        fill |= rows & threshold_accept(conf, masked, threshold, per_row(counts, torch.long), max(counts))
     if "hierarchy" in kinds:
         rows = per_row([p.decoder == "hierarchy" for p in params], torch.bool)[:, None]
         fill |= rows & hierarchy_accept(conf, masked, threshold, per_row([p.low_threshold for p in params]))

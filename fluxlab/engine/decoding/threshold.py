@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 
-def top_k_per_row(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Boolean [R, bl]: the k[r] highest scores of row r (k may differ per row)."""
-    k_max = int(k.max().item()) if k.numel() else 0
+def top_k_per_row(score: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Boolean [R, bl]: the k[r] highest scores of row r (k may differ per row; k_max >= max k,
+    known on the host, so no device->host sync is needed)."""
     chosen = torch.zeros_like(score, dtype=torch.bool)
     if k_max == 0:
         return chosen
@@ -16,10 +16,10 @@ def top_k_per_row(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def threshold_accept(conf: torch.Tensor, masked: torch.Tensor, threshold: torch.Tensor,
-                     k: torch.Tensor) -> torch.Tensor:
+                     k: torch.Tensor, k_max: int) -> torch.Tensor:
     """Among masked positions: all above threshold if at least k[r] are, else the top-k[r]."""
     score = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
     high = score > threshold[:, None]
     k = torch.minimum(k, masked.sum(dim=-1))
     enough = high.sum(dim=-1) >= k
-    return torch.where(enough[:, None], high, top_k_per_row(score, k) & masked)
+    return torch.where(enough[:, None], high, top_k_per_row(score, k, k_max) & masked)
