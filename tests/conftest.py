@@ -17,3 +17,15 @@ def tiny_model(tiny_ckpt):
     from fluxlab.engine.loader import load_model
 
     return load_model(tiny_ckpt, torch.float32, "cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model's ops are far too small for intra-op threads; on a loaded 2-core machine two
+    spinning threads made a 256-token generation 15x slower."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -10,14 +10,7 @@ from fluxlab.engine.layers.moe import moe_forward, moe_reference, route
 from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tiny model's ops are far too small for intra-op threads; on a loaded 2-core machine two
-    # spinning threads made a 256-token generation 15x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rms(x, w, eps):
