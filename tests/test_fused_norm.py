@@ -8,15 +8,12 @@ GPU (`-m gpu`): bf16 on CUDA against the torch path, <= 1 ulp (and the fraction 
 reported / bounded), router ids identical, and CUDA-graph replay.
 """
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_helpers import run_interpreter_checks
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -134,11 +131,7 @@ def _interpreter_checks() -> None:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")
 def test_fused_norm_kernels_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "interpreter checks ok" in proc.stdout
+    run_interpreter_checks(__file__)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

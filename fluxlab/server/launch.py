@@ -199,24 +199,34 @@ def _wait_worker(child: _Child, timeout_s: float, stopping: threading.Event) -> 
     return None
 
 
-def _wait_healthy(child: _Child, url: str, timeout_s: float, stopping: threading.Event) -> bool:
+def _poll_until(child: _Child, probe: Callable[[], bool], timeout_s: float, stopping: threading.Event,
+                died: str, late: str) -> bool:
+    """Call probe() every 0.2 s until it is true; False (with the matching message) if the child
+    dies first or the time runs out, silently False when serve is stopping anyway."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stopping.is_set():
         if child.died() is not None:
-            print(f"fluxlab serve: {child.name} exited with code {child.died()} before answering {url}/health",
-                  file=sys.stderr, flush=True)
+            print(f"fluxlab serve: {died.format(code=child.died())}", file=sys.stderr, flush=True)
             return False
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+            if probe():
                 return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.2)
     if not stopping.is_set():
-        print(f"fluxlab serve: {child.name} at {url} not healthy within {timeout_s:.0f}s", file=sys.stderr, flush=True)
+        print(f"fluxlab serve: {late}", file=sys.stderr, flush=True)
     return False
+
+
+def _wait_healthy(child: _Child, url: str, timeout_s: float, stopping: threading.Event) -> bool:
+    import httpx
+
+    return _poll_until(child, lambda: httpx.get(f"{url}/health", timeout=2.0).status_code == 200, timeout_s,
+                       stopping, died=f"{child.name} exited with code {{code}} before answering {url}/health",
+                       late=f"{child.name} at {url} not healthy within {timeout_s:.0f}s")
 
 
 def _wait_router(router: _Child, url: str, num_local: int, timeout_s: float, stopping: threading.Event) -> bool:
@@ -224,23 +234,13 @@ def _wait_router(router: _Child, url: str, num_local: int, timeout_s: float, sto
     background); /readiness counts the healthy ones, so wait until it sees every local replica."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not stopping.is_set():
-        if router.died() is not None:
-            print(f"fluxlab serve: sglang-router exited with code {router.died()}; see its log above",
-                  file=sys.stderr, flush=True)
-            return False
-        try:
-            response = httpx.get(f"{url}/readiness", timeout=2.0)
-            if response.status_code == 200 and response.json().get("healthy_workers", 0) >= num_local:
-                return True
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    if not stopping.is_set():
-        print(f"fluxlab serve: sglang-router at {url} did not see {num_local} healthy replicas within "
-              f"{timeout_s:.0f}s", file=sys.stderr, flush=True)
-    return False
+    def ready() -> bool:
+        response = httpx.get(f"{url}/readiness", timeout=2.0)
+        return response.status_code == 200 and response.json().get("healthy_workers", 0) >= num_local
+
+    return _poll_until(router, ready, timeout_s, stopping,
+                       died="sglang-router exited with code {code}; see its log above",
+                       late=f"sglang-router at {url} did not see {num_local} healthy replicas within {timeout_s:.0f}s")
 
 
 def _stop_all(children: list[_Child]) -> None:
