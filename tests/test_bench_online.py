@@ -93,7 +93,7 @@ def prompts(n, content="q"):
 def test_streamed_request_timing_and_server_usage(stub):
     url, state = stub
     before = state["requests"]
-    records, duration = run_online(url, prompts(4), "tiny", {"threshold": 0.7, "steps": 32}, bench(warmup_requests=2))
+    records, duration, steps = run_online(url, prompts(4), "tiny", {"threshold": 0.7, "steps": 32}, bench(warmup_requests=2))
     assert state["requests"] - before == 4 + 2  # warm-up requests were sent...
     assert len(records) == 4  # ...and left out of the numbers
     r = records[0]
@@ -103,6 +103,7 @@ def test_streamed_request_timing_and_server_usage(stub):
     assert r.ttft_s >= BLOCK_GAP_S * 0.8
     assert len(r.itl_s) == 2 and all(gap >= BLOCK_GAP_S * 0.8 for gap in r.itl_s)
     assert r.e2e_s <= duration
+    assert steps is None  # the stub has no /metrics with fluxlab's engine counters
     m = compute_metrics(records, duration)
     assert m["total_output_tokens"] == 48 and m["tokens_per_forward"] == pytest.approx(4.5)
     body = state["bodies"][-1]
@@ -112,7 +113,7 @@ def test_streamed_request_timing_and_server_usage(stub):
 
 def test_without_streaming_the_answer_is_one_chunk(stub):
     url, state = stub
-    (r,), _ = run_online(url, prompts(1), "tiny", {}, bench(stream=False, warmup_requests=0))
+    (r,), _, _ = run_online(url, prompts(1), "tiny", {}, bench(stream=False, warmup_requests=0))
     assert r.success and r.text == "ababab" and (r.output_tokens, r.chunks, r.itl_s) == (12, 1, [])
     assert r.ttft_s == pytest.approx(r.e2e_s, abs=0.01) and r.ttft_s >= 3 * BLOCK_GAP_S * 0.8
     assert "stream_options" not in state["bodies"][-1]
@@ -121,14 +122,14 @@ def test_without_streaming_the_answer_is_one_chunk(stub):
 def test_max_concurrency_caps_requests_in_flight(stub):
     url, state = stub
     state["max_in_flight"] = 0
-    records, _ = run_online(url, prompts(6), "tiny", {}, bench(max_concurrency=2, warmup_requests=0))
+    records, _, _ = run_online(url, prompts(6), "tiny", {}, bench(max_concurrency=2, warmup_requests=0))
     assert all(r.success for r in records)
     assert state["max_in_flight"] == 2
 
 
 def test_failed_request_is_counted_not_fatal(stub):
     url, _ = stub
-    records, duration = run_online(url, prompts(2) + prompts(1, content="fail"), "tiny", {}, bench(warmup_requests=0))
+    records, duration, steps = run_online(url, prompts(2) + prompts(1, content="fail"), "tiny", {}, bench(warmup_requests=0))
     assert [r.success for r in records] == [True, True, False]
     assert "HTTP 400" in records[2].error
     m = compute_metrics(records, duration)
@@ -137,7 +138,7 @@ def test_failed_request_is_counted_not_fatal(stub):
 
 def test_poisson_rate_spreads_arrivals(stub):
     url, _ = stub
-    records, duration = run_online(url, prompts(5), "tiny", {}, bench(request_rate=20.0, warmup_requests=0))
+    records, duration, steps = run_online(url, prompts(5), "tiny", {}, bench(request_rate=20.0, warmup_requests=0))
     assert all(r.success for r in records)
     assert duration > sum(arrival_gaps(5, 20.0, 1.0, seed=0))
 

@@ -101,6 +101,17 @@ def test_offline_and_online_give_the_same_output_tokens(offline_sweep, online_sw
         assert list(a["forwards"]) == list(b["forwards"])
 
 
+@pytest.mark.parametrize("sweep", ["offline_sweep", "online_sweep"])
+def test_engine_steps_are_counted_and_timed(sweep, request):
+    cwd = request.getfixturevalue(sweep)
+    for result in (r for r in results_of(cwd) if r["status"] == "ok"):
+        per_request = requests_of(result, cwd)["forwards"]
+        # Batched requests share forwards: the engine ran at least the longest request's and at
+        # most all of them (warm-up steps are outside the timed window).
+        assert per_request.max() <= result["engine_steps"] <= per_request.sum()
+        assert 0 < result["mean_step_ms"] < 1e3 * result["duration"]
+
+
 def test_server_started_once_for_per_request_key_sweep_and_stopped_at_the_end(online_sweep):
     ok = [r for r in results_of(online_sweep) if r["status"] == "ok"]
     assert len(ok) == 2

@@ -147,6 +147,7 @@ def test_metrics_use_the_fluxlab_prefix_and_count(server, client):
         assert f"fluxlab:{name}" in text, name
     assert metric_value(text, "fluxlab:generation_tokens_total") >= 16
     assert metric_value(text, "fluxlab:forwards_total") >= 1
+    assert metric_value(text, "fluxlab:engine_step_seconds_total") > 0
     assert metric_value(text, "fluxlab:e2e_request_latency_seconds_count") >= 1
 
 

@@ -8,6 +8,8 @@ Definitions (DESIGN §10), over the requests that completed:
   concurrency = sum of e2e latencies / duration (the average number of requests in flight)
   tokens_per_forward = tokens the decoder accepted / forwards of the requests' active blocks
   tokens_per_chunk = output tokens / chunks
+  engine_steps, mean_step_ms = the engine's forwards during the timed run and their mean wall time
+    (schedule + forward + decode), from the engine's counters (offline) or the server's /metrics
 Percentiles use numpy's linear interpolation, as sglang does; an empty sample gives 0, as there.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ import pandas as pd
 STATS = ("mean", "median", "std", "p90", "p95", "p99")
 LATENCIES = ("e2e_latency", "ttft", "tpot", "itl")
 HEADLINE = ("completed", "failed", "duration", "request_throughput", "output_throughput", "tokens_per_forward",
-            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "accuracy")
+            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "mean_step_ms",
+            "accuracy")
 
 
 @dataclass
@@ -56,8 +59,18 @@ def _stats(name: str, values_s: Sequence[float]) -> dict[str, float]:
             f"p95_{name}_ms": float(np.percentile(ms, 95)), f"p99_{name}_ms": float(np.percentile(ms, 99))}
 
 
-def compute_metrics(records: Sequence[RequestRecord], duration_s: float) -> dict[str, float]:
-    """The run's metrics from its per-request records and wall-clock duration (first send to last answer)."""
+@dataclass
+class EngineSteps:
+    """The engine's step counters during a timed run (differences of its monotonic totals)."""
+
+    forwards: int
+    seconds: float
+
+
+def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
+                    steps: Optional[EngineSteps] = None) -> dict[str, float]:
+    """The run's metrics from its per-request records and wall-clock duration (first send to last
+    answer), plus the engine's step latency when its counters could be read."""
     done = [r for r in records if r.success]
     total_in = sum(r.prompt_tokens for r in done)
     total_out = sum(r.output_tokens for r in done)
@@ -84,6 +97,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float) -> dict
     scored = [r.correct for r in done if r.correct is not None]
     if scored:
         metrics["accuracy"] = sum(scored) / len(scored)
+    if steps is not None and steps.forwards > 0:
+        metrics["engine_steps"] = steps.forwards
+        metrics["mean_step_ms"] = 1e3 * steps.seconds / steps.forwards
     return metrics
 
 

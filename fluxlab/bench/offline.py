@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fluxlab.bench.metrics import RequestRecord
+from fluxlab.bench.metrics import EngineSteps, RequestRecord
 from fluxlab.bench.server_process import server_overrides
 from fluxlab.bench.workload import BenchPrompt
 
@@ -59,8 +59,8 @@ def _params(prompt: BenchPrompt, knobs: dict[str, Any]) -> Any:
 
 
 def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any], warmup_requests: int = 1,
-                disable_progress: bool = False) -> tuple[list[RequestRecord], float]:
-    """Run every prompt through `llm.engine`; (records in prompt order, duration s)."""
+                disable_progress: bool = False) -> tuple[list[RequestRecord], float, EngineSteps]:
+    """Run every prompt through `llm.engine`; (records in prompt order, duration s, engine steps)."""
     engine = llm.engine
     prompt_ids = [encode(llm, p) for p in prompts]
     if warmup_requests:
@@ -70,6 +70,7 @@ def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any],
     records: dict[str, RequestRecord] = {}
     sent: dict[str, float] = {}
     chunk_times: dict[str, list[float]] = {}
+    forwards, step_seconds = engine.total_forwards, engine.total_step_seconds
     start = time.perf_counter()
     for prompt, ids in zip(prompts, prompt_ids):
         request_id = engine.add_request(ids, _params(prompt, knobs))
@@ -89,7 +90,8 @@ def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any],
                     _finish(llm, records[out.request_id], out, sent[out.request_id], chunk_times[out.request_id], now)
                     progress.update(1)
     duration = time.perf_counter() - start
-    return sorted(records.values(), key=lambda r: r.index), duration
+    steps = EngineSteps(engine.total_forwards - forwards, engine.total_step_seconds - step_seconds)
+    return sorted(records.values(), key=lambda r: r.index), duration, steps
 
 
 def _finish(llm: Any, record: RequestRecord, out: Any, sent: float, chunk_times: list[float], now: float) -> None:

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from fluxlab.bench.metrics import RequestRecord
+from fluxlab.bench.metrics import EngineSteps, RequestRecord
 from fluxlab.bench.workload import BenchPrompt
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the progress bar
@@ -122,8 +122,29 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
     return record
 
 
+# fluxlab's engine counters on /metrics (a CounterMetricFamily's sample carries the _total suffix).
+_FORWARDS, _STEP_SECONDS = "fluxlab:forwards_total", "fluxlab:engine_step_seconds_total"
+
+
+async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional[tuple[float, float]]:
+    """(forwards, step seconds) from the server's /metrics; None when it has no fluxlab counters
+    (another engine, a router in front of several replicas) or cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await client.get(base_url + "/metrics")
+        response.raise_for_status()
+        samples = {s.name: s.value for family in text_string_to_metric_families(response.text)
+                   for s in family.samples}
+    except (httpx.HTTPError, ValueError):
+        return None
+    if _FORWARDS not in samples or _STEP_SECONDS not in samples:
+        return None
+    return samples[_FORWARDS], samples[_STEP_SECONDS]
+
+
 async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs: dict[str, Any], bench: Any,
-               seed: int, api_key: Optional[str]) -> tuple[list[RequestRecord], float]:
+               seed: int, api_key: Optional[str]) -> tuple[list[RequestRecord], float, Optional[EngineSteps]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(bench.request_timeout_s, pool=None)
     limits = httpx.Limits(max_connections=bench.max_concurrency, max_keepalive_connections=None)
@@ -146,6 +167,7 @@ async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs:
             return record
 
         tasks = []
+        before = await _engine_counters(client, base_url)
         start = time.perf_counter()
         for prompt, gap in zip(prompts, arrival_gaps(len(prompts), bench.request_rate, bench.burstiness, seed)):
             if gap:
@@ -154,10 +176,13 @@ async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs:
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
-    return list(records), duration
+        after = await _engine_counters(client, base_url) if before is not None else None
+    steps = EngineSteps(int(after[0] - before[0]), after[1] - before[1]) if after is not None else None
+    return list(records), duration, steps
 
 
 def run_online(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs: dict[str, Any], bench: Any,
-               seed: int = 0, api_key: Optional[str] = None) -> tuple[list[RequestRecord], float]:
-    """Send every prompt to `base_url` under `bench`'s load shape; (records in prompt order, duration s)."""
+               seed: int = 0, api_key: Optional[str] = None) -> tuple[list[RequestRecord], float, Optional[EngineSteps]]:
+    """Send every prompt to `base_url` under `bench`'s load shape; (records in prompt order, duration s,
+    the server engine's steps during the run or None when its /metrics has no fluxlab counters)."""
     return asyncio.run(_run(base_url.rstrip("/"), prompts, model, knobs, bench, seed, api_key))

@@ -72,7 +72,7 @@ def _tokenizer(cfg: DictConfig) -> Any:
     return load_tokenizer(resolve_model_dir(cfg.model))
 
 
-def _run_online(cfg: DictConfig, job: Job, prompts: list[BenchPrompt], outcome: Outcome) -> tuple[list, float]:
+def _run_online(cfg: DictConfig, job: Job, prompts: list[BenchPrompt], outcome: Outcome) -> tuple:
     from fluxlab.bench.online import run_online
 
     url, model = cfg.bench.url, cfg.server.served_model_name
@@ -127,11 +127,11 @@ def _execute(cfg: DictConfig, job: Job, outcome: Outcome) -> None:
         llm, reused = acquire_llm(cfg)
         outcome.facts["engine_reused"] = reused
         prompts = load_workload(cfg, llm.tokenizer) if random else prompts
-        records, duration = run_offline(llm, prompts, request_knobs(cfg), cfg.bench.warmup_requests,
+        records, duration, steps = run_offline(llm, prompts, request_knobs(cfg), cfg.bench.warmup_requests,
                                         cfg.bench.disable_progress)
     elif mode == "online":
         prompts = load_workload(cfg, _tokenizer(cfg) if cfg.workload.kind == "random" else None)
-        records, duration = _run_online(cfg, job, prompts, outcome)
+        records, duration, steps = _run_online(cfg, job, prompts, outcome)
     else:
         raise ValueError(f"bench.mode={mode!r}: use online or offline")
     scorer = get_scorer(cfg.workload.scorer)
@@ -139,7 +139,7 @@ def _execute(cfg: DictConfig, job: Job, outcome: Outcome) -> None:
         if scorer is not None and record.success and record.answer is not None:
             record.correct = scorer(record.text, record.answer)
     outcome.records = records
-    outcome.metrics = compute_metrics(records, duration)
+    outcome.metrics = compute_metrics(records, duration, steps)
 
 
 def _write_files(cfg: DictConfig, job: Job, outcome: Outcome, status: str, error: str, run_id: Optional[str]) -> None:

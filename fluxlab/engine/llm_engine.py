@@ -121,6 +121,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
         self.total_forwards = 0
         self.total_generated_tokens = 0
+        # Wall time of steps that ran a forward. A step ends on its one device->host copy, so the
+        # sum is the GPU-bound time of the run even though a step's own span can absorb queued work.
+        self.total_step_seconds = 0.0
         log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s",
                  cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
                  cfg.scheduler.policy, cfg.attention.backend)
@@ -224,6 +227,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return outputs
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.rows:
             return outputs
@@ -248,6 +252,7 @@ class LLMEngine:
                 outputs.append(self._output(request, finished=True))
             elif len(request.output_ids) > request.num_emitted:
                 outputs.append(self._output(request, finished=False))
+        self.total_step_seconds += time.perf_counter() - started
         return outputs
 
     def _apply_stop_strings(self, request: Request) -> None:
