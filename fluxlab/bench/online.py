@@ -41,7 +41,10 @@ def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) ->
 def request_body(prompt: BenchPrompt, model: str, knobs: dict[str, Any], stream: bool = True
                  ) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of one request; `knobs` are the per-request decoding fields."""
-    body: dict[str, Any] = {"model": model, "max_tokens": prompt.max_tokens, "stream": stream, **knobs}
+    # return_token_ids (fluxlab's, ignored elsewhere) makes fluxlab stream every block, so TTFT and
+    # ITL time blocks even when their text is empty (random weights decode mostly to nothing).
+    body: dict[str, Any] = {"model": model, "max_tokens": prompt.max_tokens, "stream": stream,
+                            "return_token_ids": True, **knobs}
     if stream:
         body["stream_options"] = {"include_usage": True}
     if prompt.ignore_eos:
@@ -98,7 +101,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
                 for choice in chunk.get("choices") or []:
                     message = choice.get("delta") or choice.get("message") or {}
                     text = message.get("content") or choice.get("text") or ""
-                    if text:
+                    if text or choice.get("token_ids"):
                         chunk_times.append(time.perf_counter())
                         pieces.append(text)
                     record.finish_reason = choice.get("finish_reason") or record.finish_reason

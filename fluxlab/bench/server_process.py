@@ -122,16 +122,20 @@ class ServerProcess:
                            f"log {self.log_path}:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the server alone (it stops its TP workers, replicas and router itself), then
+        SIGKILL to whatever of its process group is left after grace_s."""
         if self.alive():
             log.info("stopping server pid %d", self.pid)
             try:
-                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.send_signal(signal.SIGTERM)
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
+                log.warning("server pid %d did not stop within %.0f s of SIGTERM; killing it", self.pid, grace_s)
+            try:
                 os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
             except ProcessLookupError:
                 pass
+            self.process.wait()
         self._log_file.close()
 
 

@@ -123,6 +123,12 @@ class ModelRunner:
         log.info("captured %d decode graphs %s (%s) in %.1f s using %.2f GiB", len(self.graphs), sorted(self.graphs),
                  mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
 
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (before a TP group is torn down: they hold captured collectives)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            self.graphs.clear()
+
     def _graph_chunks(self, num_rows: int) -> Optional[list[int]]:
         """Captured sizes to run `num_rows` rows with: one padded size, or a decomposition."""
         sizes = sorted({size for _, size in self.graphs})

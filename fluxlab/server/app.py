@@ -137,7 +137,9 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                         break
                     first_time = first_time or time.perf_counter()
                     delta = detok.delta(item)
-                    if delta or item.finished:
+                    # A client that asked for token ids gets every committed block, also one whose
+                    # text is still empty (a partial character, or special tokens).
+                    if delta or item.finished or (body.return_token_ids and item.new_token_ids):
                         ids = item.new_token_ids if body.return_token_ids else None
                         yield _sse(make_chunk(delta, item.finish_reason, ids, include_usage))
                     if item.finished:

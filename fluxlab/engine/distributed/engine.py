@@ -214,6 +214,7 @@ class ParallelEngine(RankEngine):
         if self._closed:
             return
         self._stop_workers(graceful=True)
+        self.runner.release_graphs()
         self._leave_group()
 
     def _stop_workers(self, graceful: bool) -> None:
@@ -236,10 +237,24 @@ class ParallelEngine(RankEngine):
         self._messages.close()
 
     @staticmethod
-    def _leave_group() -> None:
+    def _leave_group(timeout_s: float = 15.0) -> None:
+        """Leave the TP group, never hanging: NCCL communicators are aborted rather than finalized
+        (a graceful destroy waits on peers that may be gone and was seen to hang at shutdown on
+        2 H200s), and the teardown gets timeout_s before the process carries on without it."""
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                log.exception("destroy_process_group failed")
+            def leave() -> None:
+                try:
+                    if dist.get_backend() == "nccl":
+                        dist.distributed_c10d._abort_process_group()
+                    else:
+                        dist.destroy_process_group()
+                except Exception:  # noqa: BLE001
+                    log.exception("leaving the tensor-parallel group failed")
+
+            leaver = threading.Thread(target=leave, name="fluxlab-tp-leave", daemon=True)
+            leaver.start()
+            leaver.join(timeout_s)
+            if leaver.is_alive():
+                log.warning("the tensor-parallel group did not shut down within %.0f s; going on without it",
+                            timeout_s)
         set_parallel_dims(ParallelDims())

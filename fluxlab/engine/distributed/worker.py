@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -63,6 +64,8 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
     from omegaconf import OmegaConf
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; rank 0 alone decides when the workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if os.environ.get("FLUXLAB_FAIL_RANK") == str(rank):  # fault injection for tests/test_parallel.py
             raise RuntimeError(f"injected startup failure on rank {rank}")
@@ -87,4 +90,8 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
     except BaseException:  # noqa: BLE001
         messages.put(("error", rank, traceback.format_exc()))
         sys.exit(1)
-    dist.destroy_process_group()
+    # No process-group teardown: rank 0 aborts its side, and a graceful NCCL destroy here can wait
+    # forever on the peer. Exiting frees this rank's communicators and memory.
+    engine.runner.release_graphs()
+    logging.shutdown()
+    os._exit(0)
