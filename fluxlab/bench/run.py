@@ -128,7 +128,7 @@ def _execute(cfg: DictConfig, job: Job, outcome: Outcome) -> None:
         outcome.facts["engine_reused"] = reused
         prompts = load_workload(cfg, llm.tokenizer) if random else prompts
         records, duration, steps = run_offline(llm, prompts, request_knobs(cfg), cfg.bench.warmup_requests,
-                                        cfg.bench.disable_progress)
+                                               cfg.bench.disable_progress)
     elif mode == "online":
         prompts = load_workload(cfg, _tokenizer(cfg) if cfg.workload.kind == "random" else None)
         records, duration, steps = _run_online(cfg, job, prompts, outcome)
