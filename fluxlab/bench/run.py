@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from fluxlab.bench import tracking
-from fluxlab.bench.metrics import HEADLINE, RequestRecord, compute_metrics, records_frame
+from fluxlab.bench.metrics import HEADLINE, EngineSteps, RequestRecord, compute_metrics, records_frame
 from fluxlab.bench.scoring import get_scorer
 from fluxlab.bench.server_process import PER_REQUEST_KEYS
 from fluxlab.bench.sweep import job_label, note_job, parent_run_id
@@ -72,7 +72,8 @@ def _tokenizer(cfg: DictConfig) -> Any:
     return load_tokenizer(resolve_model_dir(cfg.model))
 
 
-def _run_online(cfg: DictConfig, job: Job, prompts: list[BenchPrompt], outcome: Outcome) -> tuple:
+def _run_online(cfg: DictConfig, job: Job, prompts: list[BenchPrompt], outcome: Outcome
+                ) -> tuple[list[RequestRecord], float, Optional[EngineSteps]]:
     from fluxlab.bench.online import run_online
 
     url, model = cfg.bench.url, cfg.server.served_model_name

@@ -167,11 +167,6 @@ class ModelRunner:
     def execute(self, inputs: "StepInputs") -> Optional[torch.Tensor]:
         bl = self.block_length
         rows: Rows = [(first, n, table) for first, n, _, table in inputs.rows]
-        logit_index, offset = [], 0
-        for first, n, decodes, _ in inputs.rows:
-            if decodes:
-                logit_index.append(torch.arange(offset + (n - 1) * bl, offset + n * bl))
-            offset += n * bl
         ids = torch.tensor(inputs.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(inputs.positions, dtype=torch.long).to(self.device, non_blocking=True)
         blocks = inputs.rows[0][1]
@@ -191,7 +186,18 @@ class ModelRunner:
             return out.view(-1, bl, out.shape[-1])
         self.attention.begin(build_metadata(rows, bl, self.device, dense=self.backend == "sdpa"))
         hidden = self.model(ids, pos, self.attention)
-        if not logit_index:
+        logit_rows = self._last_block_rows(inputs)
+        if logit_rows is None:
             return None
-        logits = self.model.compute_logits(hidden[torch.cat(logit_index).to(self.device)])
+        logits = self.model.compute_logits(hidden[logit_rows])
         return logits.view(-1, bl, logits.shape[-1])
+
+    def _last_block_rows(self, inputs: "StepInputs") -> Optional[torch.Tensor]:
+        """Token indices of each decoding row's last block in an eager forward (graphs keep their own)."""
+        bl = self.block_length
+        index, offset = [], 0
+        for _, n, decodes, _ in inputs.rows:
+            if decodes:
+                index.extend(range(offset + (n - 1) * bl, offset + n * bl))
+            offset += n * bl
+        return torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True) if index else None
