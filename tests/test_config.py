@@ -124,7 +124,7 @@ RULES = [
     (["decoding.low_threshold=-0.1"], "decoding.low_threshold=-0.1 must be in [0, 1]"),
     (["decoding.editing_threshold=2"], "decoding.editing_threshold=2.0 must be in [0, 1]"),
     (["decoding.steps=65"], "decoding.steps=65 must be in [1, decoding.block_length=64]"),
-    (["decoding.decoder=levenshtein_joint"], "decoding.decoder='levenshtein_joint' is not implemented yet"),
+    (["decoding.decoder=nosuch"], "decoding.decoder='nosuch': use one of threshold, hierarchy, joint_threshold"),
     (["engine.device=cuda"], "engine.device='cuda' but no CUDA device is visible"),
     (["attention.use_decode_cuda_graph=true"], "attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device"),
 ]

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,8 +36,8 @@ def tp1_tokens(tp1) -> list[list[int]]:
 
 def forward_inputs(vocab_size: int) -> StepInputs:
     """One prefill+decode row of two blocks on pages 0 and 1 (free once a generate returned)."""
-    ids = [(7 * i + 3) % vocab_size for i in range(2 * BL)]
-    return StepInputs(ids, list(range(2 * BL)), [(0, 2, True, [0, 1])])
+    ids = np.array([(7 * i + 3) % vocab_size for i in range(2 * BL)])
+    return StepInputs(ids, np.arange(2 * BL), [(0, 2, True, [0, 1])], np.arange(BL, 2 * BL))
 
 
 def parallel_llm(*overrides: str) -> LLM:
@@ -47,10 +48,10 @@ def assert_matches_tp1(llm: LLM, tp1: LLM, tp1_tokens) -> None:
     got = [r.token_ids for r in llm.generate(PROMPTS, PARAMS)]
     assert got == tp1_tokens
     inputs = forward_inputs(tp1.engine.model_config.vocab_size)
-    want = tp1.engine.runner.execute(inputs)
+    want, _, _ = tp1.engine.runner.execute(inputs)
     runner = llm.engine.runner
     runner.on_step(inputs)  # the workers run the same forward
-    logits = runner.execute(inputs)
+    logits, _, _ = runner.execute(inputs)
     # Row-parallel sums only reorder fp32 additions. The tiny model's logits reach ~80, where one
     # fp32 ulp is ~1e-5, so the bound is 1e-5 of the logit scale (measured: ~3e-5 absolute).
     assert logits.shape == want.shape

@@ -23,11 +23,12 @@ from typing import Any, Optional
 import httpx
 from omegaconf import DictConfig, OmegaConf
 
+from fluxlab.engine.decoding.knobs import KNOBS
+
 log = logging.getLogger("fluxlab.bench")
 
-# Keys a request body carries (DESIGN §3), so changing them needs no restart.
-PER_REQUEST_KEYS = ("threshold", "steps", "editing_threshold", "low_threshold", "max_post_steps",
-                    "temperature", "top_p", "top_k")
+# Keys a request body carries (DESIGN §3), so changing them needs no restart: every decoding knob.
+PER_REQUEST_KEYS = tuple(KNOBS)
 SERVER_GROUPS = ("engine", "model", "scheduler", "attention", "decoding", "parallel", "server")
 _READY = re.compile(r"fluxlab ready: (http://\S+)")
 

@@ -9,16 +9,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from fluxlab.engine.block_manager import BlockManager
-from fluxlab.engine.decoding import advance, decode_step
 from fluxlab.engine.layers.attention import KVCache
-from fluxlab.engine.model_runner import ModelRunner
-from fluxlab.engine.request import (InvalidRequest, RequestOutput, RequestState, SamplingParams,
-                                    next_request_id)
-from fluxlab.engine.scheduler import Scheduler
+from fluxlab.engine.model_runner import ModelRunner, StepInputs
+from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
+from fluxlab.engine.scheduler import ScheduledBatch, Scheduler
 from fluxlab.engine.sequence import Request
+from fluxlab.engine.stop import StopStrings
 
 if TYPE_CHECKING:  # the engine runs on a bare torch machine: no hydra/omegaconf import at run time
     from omegaconf import DictConfig
@@ -55,7 +55,7 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def load_tokenizer(model_dir: Optional[Path]):
+def load_tokenizer(model_dir: Optional[Path], trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -63,9 +63,24 @@ def load_tokenizer(model_dir: Optional[Path]):
 
     # Random real-preset weights have no tokenizer of their own: the tiny one's ids are all in range.
     source = model_dir if model_dir is not None else ensure_tiny_checkpoint()
-    # The tokenizer needs no remote code; config.json's auto_map (for the model class) would prompt.
+    # model.trust_remote_code governs the tokenizer's own code in the checkpoint folder (its
+    # tokenizer_config.json auto_map); the model class is always fluxlab's, never remote code.
     hf_logging.set_verbosity_error()
-    return AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def graph_segment_sizes(cfg: DictConfig) -> list[int]:
+    """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
+    row committing and decoding), plus cuda_graph_capture_sizes / block_length with prefill graphs;
+    never more than a forward can hold (scheduler.max_scheduled_tokens)."""
+    attn, bl = cfg.attention, cfg.decoding.block_length
+    limit = cfg.scheduler.max_scheduled_tokens // bl
+    sizes = set()
+    if attn.use_decode_cuda_graph:
+        sizes |= {n for b in attn.cuda_graph_capture_bs for n in (b, 2 * b)}
+    if attn.use_prefill_cuda_graph:
+        sizes |= {t // bl for t in attn.cuda_graph_capture_sizes}
+    return sorted(n for n in sizes if 1 <= n <= limit)
 
 
 class LLMEngine:
@@ -82,7 +97,7 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
             free_at_start, _ = torch.cuda.mem_get_info(self.device)
         model_dir = resolve_model_dir(cfg.model)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         if cfg.model.load_format == "random":
             self.model, self.model_config = build_random_model(cfg.model.preset, self.dtype, self.device,
                                                                seed=cfg.engine.seed)
@@ -97,7 +112,13 @@ class LLMEngine:
         for module in self.model.modules():
             if isinstance(module, StackedExperts):
                 module.backend = moe_backend
-        self.mask_id, self.eos_id, _ = special_token_ids(model_dir) if model_dir else special_token_ids("")
+        if model_dir is not None:
+            self.mask_id, self.eos_id, _ = special_token_ids(model_dir)
+        else:  # random weights of a real preset: the released ids (never files in the working directory)
+            from fluxlab.engine.loader import EOS_TOKEN_ID, MASK_TOKEN_ID
+
+            self.mask_id, self.eos_id = MASK_TOKEN_ID, EOS_TOKEN_ID
+        self.eos_ids = (self.eos_id,)
         self.block_length = cfg.decoding.block_length
         self.max_model_len = cfg.model.max_model_len
         max_pages_useful = cfg.scheduler.max_num_seqs * (self.max_model_len // self.block_length)
@@ -111,12 +132,14 @@ class LLMEngine:
         layout = cfg.engine.kv_cache_layout
         self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
-                                   cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager)
+                                   cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
+                                   StopStrings(self.tokenizer))
         self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
-                                  self.dtype, cfg.attention.backend, self.max_model_len // self.block_length)
-        if cfg.attention.use_decode_cuda_graph:
-            self.runner.capture_decode_graphs(list(cfg.attention.cuda_graph_capture_bs),
-                                              cfg.attention.cuda_graph_decode_mode)
+                                  self.dtype, cfg.attention.backend, self.max_model_len // self.block_length,
+                                  cfg.scheduler.max_num_seqs, self.mask_id)
+        segment_sizes = graph_segment_sizes(cfg)
+        if segment_sizes:
+            self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
         self.total_forwards = 0
@@ -137,21 +160,18 @@ class LLMEngine:
     def _profile_num_pages(self, free_at_start: int) -> int:
         """Pages that fit in (gpu_memory_utilization - safety reserve) of the card after the weights
         and a warm-up forward at the largest batch (max_scheduled_tokens of single-block rows)."""
-        from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
-
         eng = self.cfg.engine
         bl = self.block_length
         rows = self.cfg.scheduler.max_scheduled_tokens // bl
         probe = ModelRunner(self.model, rows, bl, self.device, self.dtype, self.cfg.attention.backend,
-                            self.max_model_len // bl)
-        fake = []
-        for r in range(rows):
-            request = Request(f"warmup-{r}", [0] * bl, SamplingParams(max_new_tokens=1, steps=1), bl, 0, 0)
-            request.page_table = [r]
-            fake.append(ScheduledRow(request, 0, 1, decodes=r < self.cfg.scheduler.max_num_seqs))
+                            self.max_model_len // bl, self.cfg.scheduler.max_num_seqs, self.mask_id)
+        # The widest forward: every row one block, every seat's block needing logits at each position.
+        decoding = min(rows, self.cfg.scheduler.max_num_seqs) * bl
+        fake = StepInputs(np.zeros(rows * bl, dtype=np.int64), np.tile(np.arange(bl), rows),
+                          [(0, 1, r * bl < decoding, [r]) for r in range(rows)], np.arange(decoding))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        probe.run(ScheduledBatch(fake, bl))
+        probe.execute(fake)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe.cache.k.nbytes - probe.cache.v.nbytes
         del probe
@@ -201,7 +221,7 @@ class LLMEngine:
         request_id = request_id or next_request_id()
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_id)
+        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids)
         if not self.block_manager.can_hold(request):
             raise InvalidRequest(f"the request needs {request.num_blocks} KV pages; the cache holds "
                                  f"{self.block_manager.num_pages}", "max_tokens")
@@ -211,19 +231,19 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        self.scheduler.remove(request)
-        request.state = RequestState.ABORTED
-        request.finish_reason = "abort"
-        request.stats.finish_time = time.perf_counter()
-        self._pending.append(self._output(request, finished=True))
+        if request is not None:
+            self._pending.append(self.scheduler.abort(request))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # --- the loop ---
+    # A step that raises fails only the rows that cause it (each row is retried alone). TP turns it
+    # off: a half-done collective cannot be retried, so the error is fatal there.
+    isolate_failures = True
+
     def step(self) -> list[RequestOutput]:
+        """schedule -> run (forward + decode, one device->host copy) -> postprocess."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return outputs
@@ -231,59 +251,39 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.rows:
             return outputs
-        logits = self.runner.run(batch)
-        self.total_forwards += 1
-        decode_rows = batch.decode_rows
-        results = decode_step([r.request for r in decode_rows], logits, self.mask_id) if decode_rows else []
-        for row in batch.rows:
-            row.request.num_cached_blocks = row.first_block + row.num_commit_blocks
-            row.request.state = RequestState.DECODING if row.decodes else RequestState.PREFILLING
-        for row, result in zip(decode_rows, results):
-            request = row.request
-            if not advance(request, result):
-                continue
-            request.finish_active_block()
-            if request.params.stop and request.finish_reason in (None, "length"):
-                self._apply_stop_strings(request)
-            if request.stats.first_token_time is None:
-                request.stats.first_token_time = time.perf_counter()
-            if request.finish_reason is not None:
-                self._finish(request)
-                outputs.append(self._output(request, finished=True))
-            elif len(request.output_ids) > request.num_emitted:
-                outputs.append(self._output(request, finished=False))
+        try:
+            outputs += self.scheduler.postprocess(batch, self.runner.run(batch))
+            self.total_forwards += 1
+        except EngineFatalError:
+            raise
+        except Exception as err:  # noqa: BLE001 - one request's bad step must not fail the batch
+            if not self.isolate_failures:
+                raise
+            outputs += self._run_rows_alone(batch, err)
+        for out in outputs:
+            self.total_generated_tokens += len(out.new_token_ids)
+            if out.finished:
+                self.requests.pop(out.request_id, None)
         self.total_step_seconds += time.perf_counter() - started
         return outputs
 
-    def _apply_stop_strings(self, request: Request) -> None:
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-        hits = [(text.find(s), s) for s in request.params.stop if s and s in text]
-        if not hits:
-            return
-        cut, _ = min(hits)
-        # The shortest token prefix whose text reaches the stop string (only the newest block can).
-        for n in range(request.num_emitted, len(request.output_ids) + 1):
-            if len(self.tokenizer.decode(request.output_ids[:n], skip_special_tokens=True)) > cut:
-                break
-        request.output_ids = request.output_ids[:n]
-        request.text = text[:cut]
-        request.finish_reason = "stop"
-
-    def _finish(self, request: Request) -> None:
-        self.scheduler.remove(request)
-        self.requests.pop(request.request_id, None)
-        request.state = RequestState.FINISHED
-        request.stats.finish_time = time.perf_counter()
-        if request.text is None:
-            request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-
-    def _output(self, request: Request, finished: bool) -> RequestOutput:
-        new = request.output_ids[request.num_emitted:]
-        request.num_emitted = len(request.output_ids)
-        self.total_generated_tokens += len(new)
-        return RequestOutput(request.request_id, new, list(request.output_ids), finished,
-                             request.finish_reason if finished else None, request.stats,
-                             request.text if finished else None)
+    def _run_rows_alone(self, batch: ScheduledBatch, err: Exception) -> list[RequestOutput]:
+        log.warning("a step of %d rows failed (%s: %s); retrying each row alone", len(batch.rows),
+                    type(err).__name__, err)
+        self.runner.invalidate_step_state()  # the device state may be half-updated: rewrite it from the host
+        outputs = []
+        for row in batch.rows:
+            alone = ScheduledBatch([row], batch.block_length)
+            try:
+                outputs += self.scheduler.postprocess(alone, self.runner.run(alone))
+                self.total_forwards += 1
+            except EngineFatalError:
+                raise
+            except Exception as row_err:  # noqa: BLE001
+                log.error("request %s failed: %s: %s", row.request.request_id, type(row_err).__name__, row_err)
+                self.runner.invalidate_step_state()
+                outputs.append(self.scheduler.fail(row.request, f"{type(row_err).__name__}: {row_err}"))
+        return outputs
 
     def shutdown(self) -> None:
         for request_id in list(self.requests):

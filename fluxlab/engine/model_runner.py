@@ -1,89 +1,71 @@
-"""The only owner of device tensors: weights, KV pages, CUDA graphs, the forward and the logits.
+"""The only owner of device tensors: weights, KV pages, step state, CUDA graphs, the forward, the
+logits head and the decode step.
 
-Decode steps where every row runs exactly its active block (or the commit of its finished block
-fused with its next block's first step) replay a CUDA graph captured for a fixed batch of B rows
-when decode graphs are on; prefill and mixed steps run eagerly."""
+`run(batch)` = prepare (host arrays, numpy) -> execute (one host->device copy, the forward through
+a graph or eagerly, logits at the positions decoders need) -> decode (on the device) -> one
+device->host copy of the new blocks. TP workers receive StepInputs and call `execute` alone.
+"""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
+from fluxlab.engine.decoding.registry import DECODERS
+from fluxlab.engine.decoding.base import DecodeBatch
+from fluxlab.engine.decoding.sampling import filtered_probs
+from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
-from fluxlab.engine.scheduler import ScheduledBatch
+from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
+from fluxlab.engine.sequence import Request
+from fluxlab.engine.step_state import StepState
 
 log = logging.getLogger("fluxlab.engine")
-
-Rows = list[tuple[int, int, list[int]]]
 
 
 @dataclass
 class StepInputs:
-    """One forward's inputs as plain host data: the flattened tokens and their positions, and per
-    row (first_block, num_blocks, decodes, page_table). Rank 0 broadcasts it to TP workers."""
+    """One forward's inputs as host arrays: flattened tokens and positions, per row (first_block,
+    num_blocks, decodes, page_table), and the flat token indices whose logits are needed. Rank 0
+    broadcasts it to TP workers."""
 
-    token_ids: list[int]
-    positions: list[int]
+    token_ids: np.ndarray
+    positions: np.ndarray
     rows: list[tuple[int, int, bool, list[int]]]
+    logit_index: np.ndarray
+
+    @property
+    def num_segments(self) -> int:
+        return sum(n for _, n, _, _ in self.rows)
 
 
-class DecodeGraph:
-    """One captured forward of `batch_size` rows of `blocks` blocks each, logits of each row's last
-    block: blocks=1 is a plain decode step, blocks=2 a commit fused with the next block's first step
-    (under the paged policy every row crosses a block boundary on the same step)."""
+@dataclass
+class DecodeInputs:
+    """Rank 0's half of a step: which seats decode, where their blocks sit in the input, and which
+    logit rows are greedy positions (first) or sampled rows' whole blocks (after, bl each)."""
 
-    def __init__(self, runner: "ModelRunner", batch_size: int, blocks: int, pool):
-        from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
-
-        bl, device = runner.block_length, runner.device
-        tokens = batch_size * blocks * bl
-        self.batch_size, self.blocks = batch_size, blocks
-        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.positions = torch.arange(tokens, device=device) % (blocks * bl)
-        self.slots = runner.scratch_slots.repeat(batch_size * blocks)
-        self.attention = FlashInferAttention(runner.cache, runner.model.config, device,
-                                             num_qo_heads=runner.num_qo_heads, num_kv_heads=runner.num_kv_heads,
-                                             graph_segments=batch_size * blocks,
-                                             graph_max_pages=batch_size * blocks * runner.max_blocks_per_seq)
-        self.attention.meta = AttentionMetadata(self.slots, [])
-        self.scratch_rows: Rows = [(0, blocks, [runner.scratch_page] * blocks)] * batch_size
-        self.attention.plan(self.scratch_rows)
-        last_block = torch.arange(batch_size, device=device)[:, None] * blocks * bl + (blocks - 1) * bl
-        self.logit_rows = (last_block + torch.arange(bl, device=device)).flatten()
-        model = runner.model
-        for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
-            model.compute_logits(model(self.input_ids, self.positions, self.attention)[self.logit_rows])
-        torch.cuda.synchronize(device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            hidden = model(self.input_ids, self.positions, self.attention)
-            self.logits = model.compute_logits(hidden[self.logit_rows])
-
-    def replay(self, runner: "ModelRunner", ids: torch.Tensor, positions: torch.Tensor, rows: Rows) -> torch.Tensor:
-        n = len(rows) * self.blocks * runner.block_length
-        pad = self.batch_size - len(rows)
-        self.input_ids[:n].copy_(ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(build_metadata(rows, runner.block_length, runner.device, dense=False).slot_mapping)
-        if pad:
-            self.slots[n:].copy_(runner.scratch_slots.repeat(pad * self.blocks))
-        self.attention.plan(rows + self.scratch_rows[:pad])
-        self.graph.replay()
-        return self.logits[: len(rows) * runner.block_length]
+    requests: list[Request]
+    slots: np.ndarray  # [R]
+    block_index: np.ndarray  # [R * bl] flat token index of each decoding row's active block
+    greedy_target: np.ndarray  # [Pg] index into [R * bl] of each greedy logit row
+    sampled_rows: list[int]  # rows with temperature > 0, in logit order
+    decoders: list[str]  # decoders present in the batch
 
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, block_length: int, device: torch.device, dtype: torch.dtype,
-                 backend: str = "sdpa", max_blocks_per_seq: int = 64):
+                 backend: str = "sdpa", max_blocks_per_seq: int = 64, max_num_seqs: int = 8, mask_id: int = 0):
         cfg = model.config
         self.model = model
         self.block_length = block_length
         self.device = device
+        self.dtype = dtype
         self.backend = backend
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.mask_id = mask_id
         self.num_qo_heads = getattr(model, "num_local_heads", cfg.num_attention_heads)  # per TP rank
         self.num_kv_heads = getattr(model, "num_local_kv_heads", cfg.num_key_value_heads)
         # One page past the budget takes the K/V writes of padded graph rows.
@@ -92,8 +74,13 @@ class ModelRunner:
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
         self.attention = self._make_backend(backend)
-        self.graphs: dict[tuple[int, int], DecodeGraph] = {}  # (blocks per row, batch size)
-        self.graph_mode = "padded"
+        self.step_state = StepState(max_num_seqs, device)
+        self.graphs = None  # GraphRunner once captured
+        self.num_graph_forwards = 0
+        self.num_eager_forwards = 0
+        self._staging = torch.empty(0, dtype=torch.long)
+        # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
+        self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
 
     def _make_backend(self, backend: str):
@@ -106,98 +93,160 @@ class ModelRunner:
                                        num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads)
         raise ValueError(f"attention.backend={backend} is not available in this build; use sdpa or flashinfer")
 
+    # --- graphs ---
     @torch.inference_mode()
-    def capture_decode_graphs(self, batch_sizes: list[int], mode: str = "padded") -> None:
-        """Capture one decode graph per batch size (largest first, sharing one memory pool)."""
+    def capture_graphs(self, segment_sizes: list[int], mode: str = "padded") -> None:
+        from fluxlab.engine.graph_runner import GraphRunner
+
         if self.backend != "flashinfer":
-            raise ValueError("decode CUDA graphs need attention.backend=flashinfer")
-        self.graph_mode = mode
-        started = time.perf_counter()
-        free_before, _ = torch.cuda.mem_get_info(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        for blocks in (2, 1):
-            for batch_size in sorted(batch_sizes, reverse=True):
-                self.graphs[blocks, batch_size] = DecodeGraph(self, batch_size, blocks, pool)
-        torch.cuda.synchronize(self.device)
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        log.info("captured %d decode graphs %s (%s) in %.1f s using %.2f GiB", len(self.graphs), sorted(self.graphs),
-                 mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
+            raise ValueError("CUDA graphs need attention.backend=flashinfer")
+        self.graphs = GraphRunner(self, segment_sizes, mode)
 
     def release_graphs(self) -> None:
-        """Drop the decode graphs (before a TP group is torn down: they hold captured collectives)."""
-        if self.graphs:
-            torch.cuda.synchronize(self.device)
-            self.graphs.clear()
+        """Drop the graphs (before a TP group is torn down: they hold captured collectives)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
-    def _graph_chunks(self, num_rows: int) -> Optional[list[int]]:
-        """Captured sizes to run `num_rows` rows with: one padded size, or a decomposition."""
-        sizes = sorted({size for _, size in self.graphs})
-        if not sizes or num_rows > sizes[-1] and self.graph_mode == "padded":
-            return None
-        if self.graph_mode == "padded":
-            return [next(s for s in sizes if s >= num_rows)]
-        chunks, left = [], num_rows
-        while left:
-            fit = [s for s in sizes if s <= left]
-            size = fit[-1] if fit else sizes[0]
-            chunks.append(size)
-            left -= min(size, left)
-        return chunks
-
-    def prepare(self, batch: ScheduledBatch) -> "StepInputs":
-        """A scheduled batch as plain host data (what a TP worker receives from rank 0)."""
+    # --- host side ---
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
+        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes."""
         bl = self.block_length
-        token_ids, positions, rows = [], [], []
+        spans, rows, block_starts, decoding = [], [], [], []
+        offset = 0
         for row in batch.rows:
+            request = row.request
             start = row.first_block * bl
             length = row.num_blocks * bl
-            token_ids.extend(row.request.tokens[start:start + length])
-            positions.extend(range(start, start + length))
-            rows.append((row.first_block, row.num_blocks, row.decodes, list(row.request.page_table)))
-        return StepInputs(token_ids, positions, rows)
+            spans.append((request.tokens[start:start + length], start, length))
+            rows.append((row.first_block, row.num_blocks, row.decodes, request.page_table))
+            if row.decodes:
+                block_starts.append(offset + length - bl)
+                decoding.append(request)
+            offset += length
+        token_ids = np.concatenate([tokens for tokens, _, _ in spans])
+        positions = np.concatenate([np.arange(start, start + length) for _, start, length in spans])
+        if not decoding:
+            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64)), None
+        num = len(decoding)
+        block_index = (np.asarray(block_starts)[:, None] + np.arange(bl)).ravel()
+        blocks = token_ids[block_index].reshape(num, bl)
+        prompt = np.array([r.prompt_positions_in_active_block() for r in decoding])
+        edits = np.array([DECODERS[r.params.decoder].edits for r in decoding])
+        sampled = np.array([r.params.temperature > 0 for r in decoding])
+        editable = np.arange(bl)[None, :] >= prompt[:, None]
+        # Logits only where a decoder may write: masks, or every non-prompt position of an editing
+        # decoder; a sampling row needs its whole block (its generator draws for every position).
+        need = editable & (edits[:, None] | (blocks == self.mask_id)) & ~sampled[:, None]
+        greedy_target = np.flatnonzero(need)
+        sampled_rows = np.flatnonzero(sampled).tolist()
+        logit_index = np.concatenate([block_index[greedy_target]]
+                                     + [block_index[r * bl:(r + 1) * bl] for r in sampled_rows])
+        decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
+                                     sampled_rows, sorted({r.params.decoder for r in decoding}))
+        return StepInputs(token_ids, positions, [(f, n, d, list(t)) for f, n, d, t in rows], logit_index), \
+            decode_inputs
 
-    def run(self, batch: ScheduledBatch) -> Optional[torch.Tensor]:
-        """One forward over every row; logits [rows that decode, block_length, vocab] in fp32."""
-        inputs = self.prepare(batch)
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """One host->device copy of int64 arrays through a pinned staging buffer."""
+        sizes = [a.shape[0] for a in arrays]
+        total = sum(sizes)
+        if self._staging.shape[0] < total:
+            pin = self.device.type == "cuda"
+            self._staging = torch.empty(max(total, 2 * self._staging.shape[0]), dtype=torch.long, pin_memory=pin)
+            self._staging_np = self._staging.numpy()
+        np.concatenate(arrays, out=self._staging_np[:total])
+        if self.device.type == "cuda":
+            # Safe to reuse next step: each step ends on a device->host copy ordered after this one.
+            packed = self._staging[:total].to(self.device, non_blocking=True)
+        else:
+            packed = self._staging[:total].clone()
+        return list(torch.split(packed, sizes))
+
+    # --- the forward ---
+    def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
+        """One forward over every row and the decode step of its decoding rows."""
+        inputs, decode_inputs = self.prepare(batch)
         if self.on_step is not None:
             self.on_step(inputs)
-        return self.execute(inputs)
+        extra = [] if decode_inputs is None else [decode_inputs.slots, decode_inputs.block_index,
+                                                  decode_inputs.greedy_target]
+        logits, ids, extra_dev = self.execute(inputs, extra)
+        if decode_inputs is None:
+            return None
+        return self._decode(decode_inputs, logits, ids, *extra_dev)
 
     @torch.inference_mode()
-    def execute(self, inputs: "StepInputs") -> Optional[torch.Tensor]:
+    def execute(self, inputs: StepInputs, extra: list[np.ndarray] = ()
+                ) -> tuple[Optional[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """(logits at inputs.logit_index [P, V] or None, input ids on the device, `extra` uploaded)."""
         bl = self.block_length
-        rows: Rows = [(first, n, table) for first, n, _, table in inputs.rows]
-        ids = torch.tensor(inputs.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.tensor(inputs.positions, dtype=torch.long).to(self.device, non_blocking=True)
-        blocks = inputs.rows[0][1]
-        uniform = blocks <= 2 and all(decodes and n == blocks for _, n, decodes, _ in inputs.rows)
-        chunks = self._graph_chunks(len(rows)) if uniform and self.graphs else None
-        if chunks is not None:
-            logits, done = [], 0
-            span = blocks * bl
-            for size in chunks:
-                take = min(size, len(rows) - done)
-                part = self.graphs[blocks, size].replay(self, ids[done * span:(done + take) * span],
-                                                        pos[done * span:(done + take) * span], rows[done:done + take])
-                # Graphs share one memory pool: copy a chunk out before the next replay reuses it.
-                logits.append(part.clone() if len(chunks) > 1 else part)
-                done += take
-            out = torch.cat(logits) if len(logits) > 1 else logits[0]
-            return out.view(-1, bl, out.shape[-1])
-        self.attention.begin(build_metadata(rows, bl, self.device, dense=self.backend == "sdpa"))
-        hidden = self.model(ids, pos, self.attention)
-        logit_rows = self._last_block_rows(inputs)
-        if logit_rows is None:
-            return None
-        logits = self.model.compute_logits(hidden[logit_rows])
-        return logits.view(-1, bl, logits.shape[-1])
+        rows = [(first, n, table) for first, n, _, table in inputs.rows]
+        pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
+        slots = (pages[:, None] * bl + np.arange(bl)).ravel()
+        ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
+            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
+        segments = [n for _, n, _ in rows]
+        if self.graphs is not None and self.graphs.can_run(segments):
+            self.num_graph_forwards += 1
+            hidden = self.graphs.run(ids, pos, slot_mapping, rows)
+        else:
+            self.num_eager_forwards += 1
+            if self.backend == "sdpa":
+                meta = build_metadata(rows, bl, self.device, dense=True)
+            else:
+                meta = AttentionMetadata(slot_mapping, rows)
+            self.attention.begin(meta)
+            hidden = self.model(ids, pos, self.attention)
+        if logit_index.shape[0] == 0:
+            return None, ids, extra_dev
+        return self.model.compute_logits(hidden[logit_index], fp32=self.fp32_logits), ids, extra_dev
 
-    def _last_block_rows(self, inputs: "StepInputs") -> Optional[torch.Tensor]:
-        """Token indices of each decoding row's last block in an eager forward (graphs keep their own)."""
+    # --- the decode step ---
+    @torch.inference_mode()
+    def _decode(self, inputs: DecodeInputs, logits: Optional[torch.Tensor], ids: torch.Tensor, slots: torch.Tensor,
+                block_index: torch.Tensor, greedy_target: torch.Tensor) -> StepOutput:
+        from fluxlab.kernels.vocab_stats import greedy_stats
+
         bl = self.block_length
-        index, offset = [], 0
-        for _, n, decodes, _ in inputs.rows:
-            if decodes:
-                index.extend(range(offset + (n - 1) * bl, offset + n * bl))
-            offset += n * bl
-        return torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True) if index else None
+        num = len(inputs.requests)
+        self.step_state.refresh(inputs.requests)
+        block = ids[block_index].view(num, bl)  # the active blocks as the forward read them
+        tokens = block.clone().view(-1)
+        conf = torch.zeros(num * bl, dtype=torch.float32, device=self.device)
+        num_greedy = greedy_target.shape[0]
+        if num_greedy:
+            greedy_tokens, greedy_conf = greedy_stats(logits[:num_greedy])
+            tokens.index_copy_(0, greedy_target, greedy_tokens)
+            conf.index_copy_(0, greedy_target, greedy_conf)
+        tokens, conf = tokens.view(num, bl), conf.view(num, bl)
+        for j, r in enumerate(inputs.sampled_rows):
+            request = inputs.requests[r]
+            p = request.params
+            row_logits = logits[num_greedy + j * bl:num_greedy + (j + 1) * bl].float()
+            probs = filtered_probs(row_logits, p.temperature, p.top_k, p.top_p)
+            sampled = torch.multinomial(probs, 1, generator=self._generator(request)).squeeze(-1)
+            tokens[r] = sampled
+            conf[r] = probs.gather(-1, sampled[:, None]).squeeze(-1)
+        knobs, decoder_ids, prompt_len, state = self.step_state.gather(slots)
+        editable = torch.arange(bl, device=self.device)[None, :] >= prompt_len[:, None]
+        masked = (block == self.mask_id) & editable  # a literal mask token in the prompt is prompt text
+        result = decode(DecodeBatch(tokens, conf, block, masked, editable, knobs, state, self.mask_id),
+                        decoder_ids, inputs.decoders)
+        self.step_state.store(slots, result.state)
+        names = self.step_state.state_names
+        packed = torch.cat([result.block, result.filled[:, None], result.edited[:, None],
+                            result.final[:, None].long()] + [result.state[n][:, None] for n in names], dim=1)
+        host = packed.cpu().numpy()  # the step's one device->host copy
+        return StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),
+                          {n: host[:, bl + 3 + i] for i, n in enumerate(names)})
+
+    def _generator(self, request: Request) -> torch.Generator:
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(request.params.seed)
+        return request.generator
+
+    def invalidate_step_state(self) -> None:
+        """After a failed step: rewrite every seat from the host mirror before its next use."""
+        self.step_state.owner = [None] * len(self.step_state.owner)

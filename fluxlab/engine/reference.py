@@ -72,10 +72,19 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
                        ignore_eos: bool = False, low_threshold: float = 0.3) -> ReferenceOutput:
     """Generate for one prompt; `decoder` is "threshold" (LLaDA2.0), "joint_threshold" (LLaDA2.1)
     or "hierarchy" (dInfer). A literal mask id inside the prompt is prompt text: never decoded."""
-    if decoder not in ("threshold", "joint_threshold", "hierarchy"):
-        raise ValueError(f"reference_generate: unknown decoder {decoder!r} (threshold, joint_threshold, hierarchy)")
+    from fluxlab.engine.decoding.registry import DECODERS, KNOBS
+
+    if decoder not in DECODERS:
+        raise ValueError(f"reference_generate: unknown decoder {decoder!r} ({', '.join(DECODERS)})")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    knobs = dict(threshold=threshold, editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+                 temperature=temperature, top_p=top_p, top_k=top_k, low_threshold=low_threshold,
+                 steps=steps or block_length)
+    for name, value in knobs.items():
+        problem = KNOBS[name].problem(value, block_length)
+        if problem:
+            raise ValueError(f"reference_generate: {problem}")
     device = next(model.parameters()).device
     prompt_len = len(prompt_ids)
     num_blocks = -(-(prompt_len + max_new_tokens) // block_length)

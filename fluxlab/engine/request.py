@@ -7,9 +7,6 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
-DECODERS = ("threshold", "hierarchy", "joint_threshold")
-
-
 class InvalidRequest(ValueError):
     """Bad client input; `param` names the offending field (OpenAI error shape)."""
 
@@ -41,37 +38,38 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def resolve(self, decoding: Any, default_max_new_tokens: int, engine_seed: int = 0) -> "SamplingParams":
-        """Fill the Nones from the engine config and check ranges; raises InvalidRequest."""
+        """Fill the Nones from the engine config and check every value; raises InvalidRequest
+        naming the field. Names and ranges come from the decoder registry (decoding/knobs.py)."""
+        from fluxlab.engine.decoding.registry import DECODERS, KNOBS, SEED_MAX
+
         filled = {f.name: getattr(self, f.name) for f in fields(self)}
-        for key in ("decoder", "threshold", "steps", "editing_threshold", "max_post_steps", "low_threshold",
-                    "temperature", "top_p", "top_k"):
-            if filled[key] is None:
+        for key in ("decoder", *KNOBS):
+            if key in filled and filled[key] is None:
                 filled[key] = decoding[key]
         if filled["max_new_tokens"] is None:
             filled["max_new_tokens"] = default_max_new_tokens
         if filled["seed"] is None:
             filled["seed"] = engine_seed
         p = replace(self, **filled)
-        block_length = decoding["block_length"]
         if p.decoder not in DECODERS:
             raise InvalidRequest(f"unknown decoder {p.decoder!r}; use one of {', '.join(DECODERS)}", "decoder")
-        for key in ("threshold", "editing_threshold", "low_threshold"):
-            value = getattr(p, key)
-            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise InvalidRequest(f"{key}={value} must be in [0, 1]", key)
-        if not isinstance(p.steps, int) or not 1 <= p.steps <= block_length:
-            raise InvalidRequest(f"steps={p.steps} must be an integer in [1, block_length={block_length}]", "steps")
-        if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
-            raise InvalidRequest(f"max_tokens={p.max_new_tokens} must be >= 1", "max_tokens")
-        if p.max_post_steps < 0:
-            raise InvalidRequest(f"max_post_steps={p.max_post_steps} must be >= 0", "max_post_steps")
-        if p.temperature < 0:
-            raise InvalidRequest(f"temperature={p.temperature} must be >= 0", "temperature")
-        if not 0.0 < p.top_p <= 1.0:
-            raise InvalidRequest(f"top_p={p.top_p} must be in (0, 1]", "top_p")
-        if p.top_k < 0:
-            raise InvalidRequest(f"top_k={p.top_k} must be >= 0", "top_k")
+        block_length = decoding["block_length"]
+        for knob in KNOBS.values():
+            if not hasattr(p, knob.name):
+                continue
+            problem = knob.problem(getattr(p, knob.name), block_length)
+            if problem:
+                raise InvalidRequest(problem, knob.name)
+        if isinstance(p.max_new_tokens, bool) or not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
+            raise InvalidRequest(f"max_tokens={p.max_new_tokens} must be an integer >= 1", "max_tokens")
+        if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed <= SEED_MAX:
+            raise InvalidRequest(f"seed={p.seed} must be an integer in [0, 2**63 - 1]", "seed")
         return p
+
+    @property
+    def effective_steps(self) -> int:
+        """Transfer-schedule steps per block: min(steps, max_new_tokens) (published LLaDA2.0 rule)."""
+        return min(self.steps, self.max_new_tokens)
 
 
 class RequestState(enum.Enum):
@@ -113,9 +111,10 @@ class RequestOutput:
     new_token_ids: list[int]  # committed since the previous output of this request
     token_ids: list[int]  # every output token so far
     finished: bool
-    finish_reason: Optional[str]  # "stop" | "length" | "abort"; None while running
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"; None while running
     stats: RequestStats
-    text: Optional[str] = None  # set on the finished output when the engine detokenizes (stop strings)
+    text: Optional[str] = None  # the finished output's text
+    error: Optional[str] = None  # finish_reason "error": why the engine could not run this request
 
 
 _ids = itertools.count()

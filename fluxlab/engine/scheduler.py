@@ -9,15 +9,42 @@ decoded. Policies differ only in when a row may start a new block:
   requests join, leave and start blocks together at the barrier.
 - static: paged, and new requests are admitted only when the batch is empty (a cohort).
 Rows that did not fit the token budget go first next time, so no request starves.
+
+`postprocess` is the one place where a step's results change requests (tokens, counters, blocks,
+state); admission and preemption in `schedule` and `abort`/`fail` are the scheduler's other writes.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
 
 from fluxlab.engine.block_manager import BlockManager
-from fluxlab.engine.request import RequestState
+from fluxlab.engine.request import RequestOutput, RequestState
 from fluxlab.engine.sequence import Request
+
+
+@dataclass
+class StepOutput:
+    """What one forward decided for its decoding rows (batch.decode_rows order), on the host."""
+
+    blocks: np.ndarray  # [R, bl] the active blocks after the step
+    filled: np.ndarray  # [R] mask -> token transfers
+    edited: np.ndarray  # [R] token -> token edits
+    final: np.ndarray  # [R] bool: the block is final
+    state: dict[str, np.ndarray]  # decoder state after the step, [R] each
+
+
+class TextStops(Protocol):
+    """Stop strings and final text (the engine's detokenizer): cuts `request.output_ids` at the first
+    stop string in the newly committed text and says whether it hit one."""
+
+    def apply(self, request: Request) -> bool: ...
+
+    def final_text(self, request: Request) -> str: ...
 
 
 @dataclass
@@ -48,8 +75,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, policy: str, max_num_seqs: int, max_scheduled_tokens: int, block_length: int,
-                 block_manager: BlockManager):
+                 block_manager: BlockManager, text_stops: Optional[TextStops] = None):
         self.policy = policy
+        self.text_stops = text_stops
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # seats of the device step state
         self.max_num_seqs = max_num_seqs
         self.max_scheduled_tokens = max_scheduled_tokens
         self.block_length = block_length
@@ -64,28 +93,84 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, request: Request) -> None:
-        """Drop a finished or aborted request and free its pages."""
+    def _release(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        if request.slot is not None:
+            self.free_slots.append(request.slot)
+            request.slot = None
+
+    def abort(self, request: Request) -> RequestOutput:
+        self._release(request)
+        request.state = RequestState.ABORTED
+        request.finish_reason = "abort"
+        request.stats.finish_time = time.perf_counter()
+        return self._output(request)
+
+    def fail(self, request: Request, error: str) -> RequestOutput:
+        """A step raised for this request alone: it ends with finish_reason "error", nobody else does."""
+        self._release(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = "error"
+        request.error = error
+        request.stats.finish_time = time.perf_counter()
+        return self._output(request)
+
+    # --- a step's results ---
+    def postprocess(self, batch: "ScheduledBatch", out: Optional[StepOutput]) -> list[RequestOutput]:
+        """Apply one forward to its requests: cached blocks, each decoding row's block, counters,
+        block commits, EOS / length / stop-string finishes. Returns the outputs to report."""
+        now = time.perf_counter()
+        for row in batch.rows:
+            row.request.num_cached_blocks = row.first_block + row.num_commit_blocks
+            row.request.state = RequestState.DECODING if row.decodes else RequestState.PREFILLING
+        outputs = []
+        for i, row in enumerate(batch.decode_rows):
+            request = row.request
+            start, end = request.block_range(request.active_block)
+            request.tokens[start:end] = out.blocks[i]
+            request.stats.forwards += 1
+            request.stats.tokens_accepted += int(out.filled[i])
+            request.forwards_in_block += 1
+            request.decoder_state = {name: int(values[i]) for name, values in out.state.items()}
+            if not out.final[i]:
+                continue
+            request.commit_active_block()
+            if request.params.stop and request.finish_reason in (None, "length") and self.text_stops is not None:
+                if self.text_stops.apply(request):
+                    request.finish_reason = "stop"
+            if request.stats.first_token_time is None:
+                request.stats.first_token_time = now
+            if request.finish_reason is not None:
+                self._release(request)
+                request.state = RequestState.FINISHED
+                request.stats.finish_time = now
+                outputs.append(self._output(request))
+            elif len(request.output_ids) > request.num_emitted:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        new = request.output_ids[request.num_emitted:]
+        request.num_emitted = len(request.output_ids)
+        if finished and request.text is None and self.text_stops is not None and request.finish_reason != "abort":
+            request.text = self.text_stops.final_text(request)
+        return RequestOutput(request.request_id, new, list(request.output_ids), finished,
+                             request.finish_reason if finished else None, request.stats,
+                             request.text if finished else None, request.error)
 
     # --- scheduling ---
-    @staticmethod
-    def _in_block(request: Request) -> bool:
-        """Inside a block: the active block has had a forward and is not final yet."""
-        return request.num_cached_blocks == request.active_block and (
-            request.step_in_block > 0 or request.post_steps > 0)
-
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
         total_blocks = self.max_scheduled_tokens // self.block_length
         candidates = list(self.running)
         barrier = True
         if self.policy in ("paged", "static"):
-            inside = [r for r in candidates if self._in_block(r)]
+            inside = [r for r in candidates if r.in_block]
             if inside:
                 candidates, barrier = inside, False
         candidates.sort(key=lambda r: r.last_scheduled_step)  # stable: arrival order among equals
@@ -105,6 +190,7 @@ class Scheduler:
                 break  # FIFO: no overtaking; pages come back as running requests finish
             self.waiting.popleft()
             self.block_manager.allocate(request, row.first_block + row.num_blocks)
+            request.slot = self.free_slots.pop()
             request.state = RequestState.PREFILLING
             self.running.append(request)
             rows.append(row)
@@ -135,8 +221,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, rows: list[ScheduledRow]) -> None:
         rows[:] = [r for r in rows if r.request is not victim]
-        self.running.remove(victim)
-        self.block_manager.free(victim)
+        self._release(victim)
         victim.reset_for_preemption()
         # Back at the head of the queue: it is older than anything that arrived after it.
         index = 0

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from fluxlab.engine.decoding.base import Accepted, DecodeBatch, Decoder, masked_scores, most_confident
 
-def hierarchy_accept(conf: torch.Tensor, masked: torch.Tensor, threshold: torch.Tensor,
+
+def hierarchy_accept(score: torch.Tensor, masked: torch.Tensor, threshold: torch.Tensor,
                      low_threshold: torch.Tensor) -> torch.Tensor:
     """In each run of masked positions, its most confident position if above low_threshold; every
     position above threshold; and always the single most confident masked position of the row."""
-    score = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
     starts = masked & ~torch.nn.functional.pad(masked, (1, 0))[:, :-1]
     run_id = torch.where(masked, torch.cumsum(starts.long(), dim=-1), 0)  # 0 = not masked
     run_max = torch.full((score.shape[0], score.shape[1] + 1), -torch.inf, device=score.device, dtype=score.dtype)
@@ -21,5 +22,17 @@ def hierarchy_accept(conf: torch.Tensor, masked: torch.Tensor, threshold: torch.
         1, run_id, seen - is_run_best.long(), reduce="amin", include_self=True).gather(1, run_id)
     first_best = is_run_best & (seen - before_run == 1)
     accept = (first_best & (score > low_threshold[:, None])) | (score > threshold[:, None])
-    best = torch.zeros_like(masked).scatter(1, score.argmax(dim=-1, keepdim=True), True) & masked
-    return accept | best
+    return accept | most_confident(score, masked)
+
+
+class Hierarchy(Decoder):
+    name = "hierarchy"
+    knobs = ("threshold", "low_threshold")
+
+    def accept(self, batch: DecodeBatch) -> Accepted:
+        fill = hierarchy_accept(masked_scores(batch), batch.masked, batch.knobs["threshold"],
+                                batch.knobs["low_threshold"])
+        return Accepted(fill, torch.zeros_like(fill))
+
+    def finish(self, batch, accepted, masks_left):
+        return masks_left == 0, {}

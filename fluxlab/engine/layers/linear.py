@@ -160,8 +160,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """lm_head split on the vocabulary; logits are all-gathered so every rank holds all of them."""
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        local = F.linear(h, self.weight).float()
+    def logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """fp32=False keeps the model dtype (the one-pass greedy kernel upcasts as it reads)."""
+        local = F.linear(h, self.weight)
+        local = local.float() if fp32 else local
         if self.tp_size == 1:
             return local
         return all_gather_last_dim(local, self.tp_size)[:, :self.vocab_size]

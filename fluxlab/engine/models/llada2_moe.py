@@ -249,7 +249,8 @@ class LLaDA2MoeModel(nn.Module):
         return x
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final RMSNorm + lm_head; logits in fp32. Each position predicts its own token (no shift)."""
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Final RMSNorm + lm_head; logits in fp32 (fp32=False: the model dtype). Each position
+        predicts its own token (no shift)."""
         h = rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return self.lm_head.logits(h)
+        return self.lm_head.logits(h, fp32)

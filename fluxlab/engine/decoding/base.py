@@ -1,0 +1,58 @@
+"""The decoder protocol: what one forward's proposals become, for the rows one decoder owns.
+
+A decoder is one module: the knobs it reads (ranges in knobs.py), its per-row state, its device
+accept step and its block-final rule. The engine's decode step (decoding/step.py) gathers every
+row's view, runs each decoder present in the batch on all rows and keeps its answer for its rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class DecodeBatch:
+    """One forward's view of its decoding rows, every tensor on the device, [R, bl] unless noted."""
+
+    tokens: torch.Tensor  # proposals (argmax, or sampled for temperature > 0)
+    conf: torch.Tensor  # confidence of each proposal (probability of that token)
+    block: torch.Tensor  # the active block as the forward read it
+    masked: torch.Tensor  # mask positions the decoder may fill (prompt positions excluded)
+    editable: torch.Tensor  # non-prompt positions
+    knobs: dict[str, torch.Tensor]  # [R] per-row knob values (float32 / int64)
+    state: dict[str, torch.Tensor]  # [R] per-row decoder state, zero on block entry
+    mask_id: int
+
+
+@dataclass
+class Accepted:
+    fill: torch.Tensor  # [R, bl] mask -> proposal
+    edit: torch.Tensor  # [R, bl] token -> proposal (editing decoders)
+
+
+class Decoder:
+    """Subclass per decoder; instances are stateless (row state lives in DecodeBatch.state)."""
+
+    name: ClassVar[str]
+    knobs: ClassVar[tuple[str, ...]]  # beyond the sampling knobs every decoder reads
+    edits: ClassVar[bool] = False  # rewrites non-mask positions: logits needed on all non-prompt positions
+    state: ClassVar[tuple[str, ...]] = ()  # int64 per-row counters, reset when a block is entered
+
+    def accept(self, batch: DecodeBatch) -> Accepted:
+        raise NotImplementedError
+
+    def finish(self, batch: DecodeBatch, accepted: Accepted, masks_left: torch.Tensor
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(final [R] bool, new state): the block-final rule, after `accepted` is applied."""
+        raise NotImplementedError
+
+
+def most_confident(score: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """[R, bl] bool: the single most confident masked position of each row (the first on ties)."""
+    return torch.zeros_like(masked).scatter(1, score.argmax(dim=-1, keepdim=True), True) & masked
+
+
+def masked_scores(batch: DecodeBatch) -> torch.Tensor:
+    return torch.where(batch.masked, batch.conf, torch.full_like(batch.conf, -torch.inf))

@@ -1,0 +1,62 @@
+"""Per-request decoding knobs: each one's name, type and range, written once.
+
+Config validation (`decoding.<name>`), SamplingParams (per request), the server's body fields and the
+reference generate all check values through `KNOBS`, so a range lives in exactly one place.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: type  # float or int
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    exclusive_minimum: bool = False
+    up_to_block_length: bool = False  # maximum is the run's decoding.block_length
+    help: str = ""
+
+    def bounds(self, block_length: Optional[int] = None) -> tuple[Optional[float], Optional[float]]:
+        maximum = block_length if self.up_to_block_length else self.maximum
+        return self.minimum, maximum
+
+    def problem(self, value: Any, block_length: Optional[int] = None, prefix: str = "") -> Optional[str]:
+        """Why `value` is not allowed (None when it is): the message names the knob (and
+        block_length where it bounds it), each behind `prefix` ("decoding." for config keys)."""
+        low, high = self.bounds(block_length)
+        if self.kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"{prefix}{self.name}={value!r} must be an integer"
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{prefix}{self.name}={value!r} must be a finite number"
+        lo_ok = low is None or (value > low if self.exclusive_minimum else value >= low)
+        hi_ok = high is None or value <= high
+        if lo_ok and hi_ok:
+            return None
+        left = "(" if self.exclusive_minimum else "["
+        if self.up_to_block_length:
+            right = f"{prefix}block_length={block_length}]"
+        else:
+            right = "inf)" if high is None else f"{high:g}]"
+        return f"{prefix}{self.name}={value!r} must be in {left}{low:g}, {right}"
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("threshold", float, 0.0, 1.0, help="accept masked positions whose confidence is above this"),
+    Knob("low_threshold", float, 0.0, 1.0, help="hierarchy: a masked run's best position is accepted above this"),
+    Knob("editing_threshold", float, 0.0, 1.0,
+         help="editing decoders: rewrite a token when the new argmax's confidence is above this (0 = whenever it differs)"),
+    Knob("steps", int, 1, up_to_block_length=True, help="transfer-schedule steps per block"),
+    Knob("max_post_steps", int, 0, help="editing decoders: forwards allowed on a block without masks"),
+    Knob("temperature", float, 0.0, help="0 = greedy"),
+    Knob("top_p", float, 0.0, 1.0, exclusive_minimum=True),
+    Knob("top_k", int, 0, help="0 = off"),
+)}
+
+# torch.Generator.manual_seed takes any 64-bit value; the API takes the signed int64 range's
+# non-negative half, as OpenAI's seed does, so a seed never overflows inside a step.
+SEED_MAX = 2**63 - 1

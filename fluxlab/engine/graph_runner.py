@@ -1,0 +1,132 @@
+"""CUDA graphs of the model body keyed by padded segment count: one graph runner for every batch.
+
+A forward is a list of query segments of exactly block_length tokens each (a row of n blocks is n
+segments: FlashInfer plans each block over pages 0..itself), so a graph captured for S segments
+replays any batch of at most S segments whatever its mix: decode rows (1 segment), commit + decode
+rows (2), prefill chunks (n), any row count. Padding segments read and write a scratch page. The
+graph ends at the last hidden state; the logits head runs after it on only the positions the
+decoders need, whose count changes every step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from fluxlab.engine.layers.attention import AttentionMetadata
+
+log = logging.getLogger("fluxlab.engine")
+
+Rows = list[tuple[int, int, list[int]]]
+
+
+class CapturedForward:
+    def __init__(self, runner, segments: int, pool):
+        from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
+
+        bl, device = runner.block_length, runner.device
+        tokens = segments * bl
+        self.segments = segments
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.arange(tokens, device=device) % bl
+        self.scratch_slots = runner.scratch_slots.repeat(segments)
+        self.slots = self.scratch_slots.clone()
+        self.attention = FlashInferAttention(runner.cache, runner.model.config, device,
+                                             num_qo_heads=runner.num_qo_heads, num_kv_heads=runner.num_kv_heads,
+                                             graph_segments=segments,
+                                             graph_max_pages=segments * runner.max_blocks_per_seq)
+        self.attention.meta = AttentionMetadata(self.slots, [])
+        self.scratch_rows: Rows = [(0, 1, [runner.scratch_page])] * segments
+        self.attention.plan(self.scratch_rows)
+        model = runner.model
+        for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
+            model(self.input_ids, self.positions, self.attention)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.hidden = model(self.input_ids, self.positions, self.attention)
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows,
+               num_segments: int) -> torch.Tensor:
+        n = ids.shape[0]
+        self.input_ids[:n].copy_(ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(slots)
+        if n < self.slots.shape[0]:
+            self.slots[n:].copy_(self.scratch_slots[n:])  # padding writes K/V only to the scratch page
+        self.attention.plan(rows + self.scratch_rows[:self.segments - num_segments])
+        self.graph.replay()
+        return self.hidden[:n]
+
+
+class GraphRunner:
+    """Captured forwards by segment count; `can_run` says whether a batch replays or runs eagerly."""
+
+    def __init__(self, runner, segment_sizes: list[int], mode: str = "padded"):
+        self.runner = runner
+        self.mode = mode
+        self.sizes = sorted(set(segment_sizes))
+        self.graphs: dict[int, CapturedForward] = {}
+        self.num_replays = 0
+        self.num_eager = 0
+        started = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(runner.device)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: the pool's blocks fit the smaller ones
+            self.graphs[size] = CapturedForward(runner, size, pool)
+        torch.cuda.synchronize(runner.device)
+        free_after, _ = torch.cuda.mem_get_info(runner.device)
+        log.info("captured %d forward graphs for %s segments (%s) in %.1f s using %.2f GiB", len(self.graphs),
+                 self.sizes, mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
+
+    def _plan(self, row_segments: list[int]) -> Optional[list[tuple[int, int]]]:
+        """(number of rows, captured size) chunks that cover the rows in order, or None. padded:
+        one chunk, the smallest size that holds the batch; decomposed: chunks of the largest size
+        that the remaining segments fill (rows are never split), the last one padded."""
+        total = sum(row_segments)
+        if self.mode == "padded":
+            if total > self.sizes[-1]:
+                return None
+            return [(len(row_segments), next(s for s in self.sizes if s >= total))]
+        chunks, start = [], 0
+        while start < len(row_segments):
+            remaining = sum(row_segments[start:])
+            cap = max([s for s in self.sizes if s <= remaining], default=self.sizes[0])
+            if row_segments[start] > cap:
+                cap = next((s for s in self.sizes if s >= row_segments[start]), None)
+                if cap is None:
+                    return None  # one row longer than the largest graph
+            taken, used = 0, 0
+            while start + taken < len(row_segments) and used + row_segments[start + taken] <= cap:
+                used += row_segments[start + taken]
+                taken += 1
+            chunks.append((taken, next(s for s in self.sizes if s >= used)))
+            start += taken
+        return chunks
+
+    def can_run(self, row_segments: list[int]) -> bool:
+        return self._plan(row_segments) is not None
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """hidden [T, H] of the batch (every row must be `can_run`)."""
+        bl = self.runner.block_length
+        row_segments = [n for _, n, _ in rows]
+        chunks = self._plan(row_segments)
+        self.num_replays += 1
+        if len(chunks) == 1:
+            return self.graphs[chunks[0][1]].replay(ids, positions, slots, rows, sum(row_segments))
+        parts, row, tok = [], 0, 0
+        for taken, size in chunks:
+            segs = sum(row_segments[row:row + taken])
+            n = segs * bl
+            hidden = self.graphs[size].replay(ids[tok:tok + n], positions[tok:tok + n], slots[tok:tok + n],
+                                              rows[row:row + taken], segs)
+            parts.append(hidden.clone())  # graphs share one pool: copy out before the next replay
+            row, tok = row + taken, tok + n
+        return torch.cat(parts)
+
+    def release(self) -> None:
+        torch.cuda.synchronize(self.runner.device)
+        self.graphs.clear()

@@ -1,0 +1,65 @@
+"""Per-seat decoding state on the device: one seat (slot) per running request.
+
+Written when a request takes a seat (its knobs) or enters a block (prompt protection, decoder
+state from the host mirror), never rebuilt from Python lists per step: a step gathers its rows'
+seats, the decoders update them and the new values are scattered back in place.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fluxlab.engine.decoding.registry import DECODERS, KNOBS, SAMPLING_KNOBS
+from fluxlab.engine.sequence import Request
+
+# The knobs a decode step reads, beyond those of the registry: derived once per request.
+DERIVED_KNOBS = ("effective_steps",)
+
+
+class StepState:
+    def __init__(self, num_slots: int, device: torch.device):
+        self.device = device
+        names = {k for d in DECODERS.values() for k in d.knobs} | set(SAMPLING_KNOBS)
+        self.float_knobs = sorted(n for n in names if KNOBS[n].kind is float)
+        self.int_knobs = sorted(n for n in names if KNOBS[n].kind is int) + list(DERIVED_KNOBS)
+        self.state_names = sorted({s for d in DECODERS.values() for s in d.state})
+        self.decoder_index = {name: i for i, name in enumerate(DECODERS)}
+        self.floats = torch.zeros(num_slots, len(self.float_knobs), dtype=torch.float32, device=device)
+        # int columns: knobs, then decoder id, prompt positions in the active block, decoder state
+        self.ints = torch.zeros(num_slots, len(self.int_knobs) + 2 + len(self.state_names), dtype=torch.long,
+                                device=device)
+        self._decoder_col = len(self.int_knobs)
+        self._prompt_col = self._decoder_col + 1
+        self._state_col = self._prompt_col + 1
+        self.owner: list[Optional[tuple[int, int]]] = [None] * num_slots  # (request serial, active block)
+
+    def refresh(self, requests: list[Request]) -> None:
+        """Write the seats whose owner or block changed since their last write (admission, block
+        entry, a preempted request back in a new seat); the others are already right."""
+        stale = [r for r in requests if self.owner[r.slot] != (r.serial, r.active_block)]
+        if not stale:
+            return
+        floats = np.array([[getattr(r.params, k) for k in self.float_knobs] for r in stale], dtype=np.float32)
+        ints = np.array([[getattr(r.params, k) for k in self.int_knobs]
+                         + [self.decoder_index[r.params.decoder], r.prompt_positions_in_active_block()]
+                         + [r.decoder_state.get(s, 0) for s in self.state_names] for r in stale], dtype=np.int64)
+        slots = torch.tensor([r.slot for r in stale], dtype=torch.long).to(self.device, non_blocking=True)
+        self.floats.index_copy_(0, slots, torch.from_numpy(floats).to(self.device, non_blocking=True))
+        self.ints.index_copy_(0, slots, torch.from_numpy(ints).to(self.device, non_blocking=True))
+        for r in stale:
+            self.owner[r.slot] = (r.serial, r.active_block)
+
+    def gather(self, slots: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor,
+                                                  dict[str, torch.Tensor]]:
+        """(knobs, decoder ids, prompt positions, decoder state) of the given seats, [R] each."""
+        floats, ints = self.floats[slots], self.ints[slots]
+        knobs = {k: floats[:, i] for i, k in enumerate(self.float_knobs)}
+        knobs.update({k: ints[:, i] for i, k in enumerate(self.int_knobs)})
+        state = {s: ints[:, self._state_col + i] for i, s in enumerate(self.state_names)}
+        return knobs, ints[:, self._decoder_col], ints[:, self._prompt_col], state
+
+    def store(self, slots: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        for i, name in enumerate(self.state_names):
+            self.ints[:, self._state_col + i].index_copy_(0, slots, state[name])
