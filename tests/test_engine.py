@@ -167,14 +167,16 @@ def test_abort_frees_every_page(llm):
     assert not engine.has_unfinished()
 
 
-def test_literal_mask_token_in_prompt_is_prompt_text(llm):
+@pytest.mark.parametrize("decoder", ["threshold", "joint_threshold"])
+def test_literal_mask_token_in_prompt_is_prompt_text(llm, decoder):
+    """A mask id inside the prompt (a prefilled block and the decoded tail block) is prompt text:
+    never decoded over, and the output equals the reference's."""
     engine = llm.engine
     prompt = prompts(llm, [12])[0]
-    prompt[5] = prompt[-1] = engine.mask_id  # one in a prefilled block, one in the decoded tail block
+    prompt[5] = prompt[-1] = engine.mask_id
     prompt = prompt + [engine.mask_id]
-    [result] = llm.generate([prompt], SamplingParams(max_new_tokens=20))
-    assert result.finish_reason in ("stop", "length")
-    assert engine.kv_free_pages == engine.kv_total_pages
+    [result] = check_parity(llm, [prompt], [SamplingParams(max_new_tokens=20, decoder=decoder, ignore_eos=True)])
+    assert len(result.token_ids) == 20 and engine.mask_id not in result.token_ids
 
 
 def test_bad_requests_are_refused_and_engine_keeps_working(llm):

@@ -67,22 +67,30 @@ def _prompts(llm, n):
     return [ids[i:i + 10 + 7 * i] for i in range(n)]
 
 
-def test_graph_replay_gives_the_same_tokens_as_eager():
+@pytest.mark.parametrize("policy", ["paged", "dynamic"])
+def test_graph_replay_gives_the_same_tokens_as_eager(policy):
+    """One graph runner replays every batch either policy makes (decode, commit + decode, prefill
+    chunks, any mix and row count) with the eager forward's tokens."""
     _flashinfer()
     from fluxlab.engine.request import SamplingParams
 
     base = ["model=llada2_mini", "model.preset=small", "model.load_format=random", "attention=flashinfer",
-            "engine.dtype=bfloat16", "decoding.steps=8"]
-    params = SamplingParams(max_new_tokens=96, ignore_eos=True)
+            "engine.dtype=bfloat16", "decoding.steps=8", f"scheduler={policy}"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (96, 40, 70, 96, 33, 64, 50)]
     eager = _llm(*base)
-    want = [r.token_ids for r in eager.generate(_prompts(eager, 5), params)]
+    want = [r.token_ids for r in eager.generate(_prompts(eager, 7), params)]
+    assert eager.engine.runner.num_graph_forwards == 0
     eager.shutdown()
     for mode in ("padded", "decomposed"):
         graphs = _llm(*base, "attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[1,2,4,8]",
                       f"attention.cuda_graph_decode_mode={mode}")
-        assert graphs.engine.runner.graphs, "no graphs captured"
-        got = [r.token_ids for r in graphs.generate(_prompts(graphs, 5), params)]
+        runner = graphs.engine.runner
+        assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8, 16]
+        got = [r.token_ids for r in graphs.generate(_prompts(graphs, 7), params)]
         assert got == want, mode
+        # every forward here holds at most 16 segments, so none falls back to eager
+        assert runner.num_eager_forwards == 0 and runner.num_graph_forwards > 0, mode
+        graphs.shutdown()
 
 
 def test_tiny_model_on_gpu_equals_cpu_at_fp32():

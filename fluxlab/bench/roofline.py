@@ -74,6 +74,10 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
     for p in prompts:
         engine.add_request(p, params)
     times: dict[str, list[float]] = {"decode": [], "commit": [], "other": []}
+    host: dict[str, list[float]] = {"decode": [], "commit": [], "other": []}
+    runner = engine.runner
+    graph_before = getattr(runner, "num_graph_forwards", 0)
+    eager_before = getattr(runner, "num_eager_forwards", 0)
     outputs = 0
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -86,12 +90,22 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
         t0 = time.perf_counter()
         for out in engine.step():
             outputs += len(out.new_token_ids)
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
         times[kind].append(1e3 * (time.perf_counter() - t0))
+        if runner.launched_at >= t0 and runner.results_at >= runner.launched_at:
+            # GPU idle for this step's host work: before the launch, and after the results came back
+            host[kind].append(1e3 * ((runner.launched_at - t0) + (t1 - runner.results_at)))
     elapsed = time.perf_counter() - started
     median = {k: statistics.median(v) if v else None for k, v in times.items()}
+    host_median = {k: statistics.median(v) if v else None for k, v in host.items()}
+    replays = getattr(runner, "num_graph_forwards", 0) - graph_before
+    eager = getattr(runner, "num_eager_forwards", 0) - eager_before
     return {"decode_ms_median": median["decode"], "commit_ms_median": median["commit"],
-            "other_ms_median": median["other"], "forwards": sum(len(v) for v in times.values()),
+            "other_ms_median": median["other"], "host_decode_ms_median": host_median["decode"],
+            "host_commit_ms_median": host_median["commit"],
+            "graph_share": replays / (replays + eager) if replays + eager else None,
+            "forwards": sum(len(v) for v in times.values()),
             "output_tokens": outputs, "output_tok_s": outputs / elapsed, "elapsed_s": elapsed}
 
 
@@ -163,11 +177,13 @@ def main() -> None:
             validate_config(vcfg)
             return make_engine(vcfg)
         engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
-                                    engine.dtype, backend, engine.max_model_len // engine.block_length)
+                                    engine.dtype, backend, engine.max_model_len // engine.block_length,
+                                    engine.cfg.scheduler.max_num_seqs, engine.mask_id)
         if graphs:
             t0 = time.perf_counter()
-            engine.runner.capture_decode_graphs(sizes, "padded")
-            print(f"{variant}: captured {sizes} in {time.perf_counter() - t0:.1f} s", flush=True)
+            segments = sorted({n for b in sizes for n in (b, 2 * b)})
+            engine.runner.capture_graphs(segments, "padded")
+            print(f"{variant}: captured {segments} segments in {time.perf_counter() - t0:.1f} s", flush=True)
         return engine
 
     t0 = time.perf_counter()
@@ -198,6 +214,7 @@ def main() -> None:
                 results["rows"].append(row)
                 print(f"{variant:>18} bs={bs:>3}: decode {row['decode_ms_median']:.2f} ms (floor {floor['floor_ms']:.2f}, "
                       f"x{row['ratio']:.2f}), commit {row['commit_ms_median'] or 0:.2f} ms, other {row['other_ms_median'] or 0:.2f} ms, "
+                      f"host {row['host_decode_ms_median'] or 0:.3f} ms/decode step, graphs {row['graph_share'] or 0:.0%}, "
                       f"{row['output_tok_s']:.0f} tok/s",
                       flush=True)
         except Exception as err:  # one broken variant must not hide the others' numbers

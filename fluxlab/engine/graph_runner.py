@@ -22,6 +22,32 @@ log = logging.getLogger("fluxlab.engine")
 Rows = list[tuple[int, int, list[int]]]
 
 
+def plan_chunks(row_segments: list[int], sizes: list[int], mode: str) -> Optional[list[tuple[int, int]]]:
+    """(number of rows, captured size) chunks that cover the rows in order, or None (run eagerly).
+    padded: one chunk, the smallest size that holds the batch; decomposed: chunks of the largest
+    size the remaining segments fill (rows are never split), the last one padded."""
+    total = sum(row_segments)
+    if mode == "padded":
+        if total > sizes[-1]:
+            return None
+        return [(len(row_segments), next(s for s in sizes if s >= total))]
+    chunks, start = [], 0
+    while start < len(row_segments):
+        remaining = sum(row_segments[start:])
+        cap = max([s for s in sizes if s <= remaining], default=sizes[0])
+        if row_segments[start] > cap:
+            cap = next((s for s in sizes if s >= row_segments[start]), None)
+            if cap is None:
+                return None  # one row longer than the largest graph
+        taken, used = 0, 0
+        while start + taken < len(row_segments) and used + row_segments[start + taken] <= cap:
+            used += row_segments[start + taken]
+            taken += 1
+        chunks.append((taken, next(s for s in sizes if s >= used)))
+        start += taken
+    return chunks
+
+
 class CapturedForward:
     def __init__(self, runner, segments: int, pool):
         from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
@@ -81,39 +107,14 @@ class GraphRunner:
         log.info("captured %d forward graphs for %s segments (%s) in %.1f s using %.2f GiB", len(self.graphs),
                  self.sizes, mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
 
-    def _plan(self, row_segments: list[int]) -> Optional[list[tuple[int, int]]]:
-        """(number of rows, captured size) chunks that cover the rows in order, or None. padded:
-        one chunk, the smallest size that holds the batch; decomposed: chunks of the largest size
-        that the remaining segments fill (rows are never split), the last one padded."""
-        total = sum(row_segments)
-        if self.mode == "padded":
-            if total > self.sizes[-1]:
-                return None
-            return [(len(row_segments), next(s for s in self.sizes if s >= total))]
-        chunks, start = [], 0
-        while start < len(row_segments):
-            remaining = sum(row_segments[start:])
-            cap = max([s for s in self.sizes if s <= remaining], default=self.sizes[0])
-            if row_segments[start] > cap:
-                cap = next((s for s in self.sizes if s >= row_segments[start]), None)
-                if cap is None:
-                    return None  # one row longer than the largest graph
-            taken, used = 0, 0
-            while start + taken < len(row_segments) and used + row_segments[start + taken] <= cap:
-                used += row_segments[start + taken]
-                taken += 1
-            chunks.append((taken, next(s for s in self.sizes if s >= used)))
-            start += taken
-        return chunks
-
     def can_run(self, row_segments: list[int]) -> bool:
-        return self._plan(row_segments) is not None
+        return plan_chunks(row_segments, self.sizes, self.mode) is not None
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
         """hidden [T, H] of the batch (every row must be `can_run`)."""
         bl = self.runner.block_length
         row_segments = [n for _, n, _ in rows]
-        chunks = self._plan(row_segments)
+        chunks = plan_chunks(row_segments, self.sizes, self.mode)
         self.num_replays += 1
         if len(chunks) == 1:
             return self.graphs[chunks[0][1]].replay(ids, positions, slots, rows, sum(row_segments))

@@ -8,6 +8,7 @@ device->host copy of the new blocks. TP workers receive StepInputs and call `exe
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -78,6 +79,9 @@ class ModelRunner:
         self.graphs = None  # GraphRunner once captured
         self.num_graph_forwards = 0
         self.num_eager_forwards = 0
+        # perf_counter() when the last forward was launched and when its results reached the host:
+        # the host time a step costs the GPU is (launch - step start) + (step end - results).
+        self.launched_at = self.results_at = 0.0
         self._staging = torch.empty(0, dtype=torch.long)
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
@@ -187,6 +191,7 @@ class ModelRunner:
         ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
             [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
         segments = [n for _, n, _ in rows]
+        self.launched_at = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(segments):
             self.num_graph_forwards += 1
             hidden = self.graphs.run(ids, pos, slot_mapping, rows)
@@ -238,6 +243,7 @@ class ModelRunner:
         packed = torch.cat([result.block, result.filled[:, None], result.edited[:, None],
                             result.final[:, None].long()] + [result.state[n][:, None] for n in names], dim=1)
         host = packed.cpu().numpy()  # the step's one device->host copy
+        self.results_at = time.perf_counter()
         return StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),
                           {n: host[:, bl + 3 + i] for i, n in enumerate(names)})
 

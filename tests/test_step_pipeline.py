@@ -1,0 +1,218 @@
+"""The step pipeline's seams: the decoder registry is the one list of names and ranges, postprocess
+is the one writer of request state, a failing row fails alone, logits are computed only where a
+decoder may write, and the graph planner covers every batch shape."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxlab.engine.decoding.knobs import KNOBS
+from fluxlab.engine.decoding.registry import DECODERS
+from fluxlab.engine.graph_runner import plan_chunks
+from fluxlab.engine.request import InvalidRequest, SamplingParams
+from test_engine import BL, check_parity, engine_llm, prompts
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return engine_llm()
+
+
+@pytest.mark.parametrize("knob,bad", [("threshold", 1.5), ("steps", BL + 1), ("top_p", 0.0), ("top_k", -1),
+                                      ("max_post_steps", -2), ("temperature", float("inf"))])
+def test_config_request_and_reference_refuse_the_same_values(llm, knob, bad):
+    """One range per knob: config validation, SamplingParams and the reference all read KNOBS."""
+    from fluxlab.config import ConfigError, compose, validate_config
+    from fluxlab.engine.reference import reference_generate
+
+    message = KNOBS[knob].problem(bad, BL)
+    assert message
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**{knob: bad}).resolve(llm.engine.cfg.decoding, 16)
+    assert err.value.param == knob and str(err.value) == message
+    cfg = compose("generate", [f"decoding.block_length={BL}", f"decoding.{knob}={bad}"])
+    with pytest.raises(ConfigError) as cerr:
+        validate_config(cfg, cuda_available=False)
+    assert str(cerr.value).startswith(f"decoding.{knob}=")
+    with pytest.raises(ValueError, match=knob):
+        reference_generate(llm.engine.model, [1, 2, 3], mask_id=llm.engine.mask_id, eos_id=llm.engine.eos_id,
+                           block_length=BL, **{knob: bad})
+
+
+def test_registry_lists_every_decoder_the_config_accepts():
+    from fluxlab.config import ConfigError, compose, validate_config
+
+    for name in DECODERS:
+        validate_config(compose("generate", [f"decoding.decoder={name}"]), cuda_available=False)
+    with pytest.raises(ConfigError, match=", ".join(DECODERS)):
+        validate_config(compose("generate", ["decoding.decoder=nosuch"]), cuda_available=False)
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, -1, 2**80])
+def test_seeds_beyond_int64_are_refused_at_admission(llm, seed):
+    with pytest.raises(InvalidRequest) as err:
+        llm.engine.add_request([1, 2, 3], SamplingParams(seed=seed, temperature=1.0))
+    assert err.value.param == "seed"
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_failing_row_fails_alone_and_the_others_match_the_reference(llm, monkeypatch):
+    engine = llm.engine
+    runner = engine.runner
+    batch = prompts(llm, [9, 20, 31], seed=13)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in batch]
+    victim = engine.requests[ids[1]]
+    original = runner._decode
+
+    def failing_decode(inputs, *args):
+        if victim in inputs.requests:
+            raise RuntimeError("injected step failure")
+        return original(inputs, *args)
+
+    monkeypatch.setattr(runner, "_decode", failing_decode)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    monkeypatch.undo()
+    assert done[ids[1]].finish_reason == "error" and "injected step failure" in done[ids[1]].error
+    from test_engine import reference
+
+    for i in (0, 2):
+        assert done[ids[i]].token_ids == reference(llm, batch[i], params).token_ids
+    assert engine.kv_free_pages == engine.kv_total_pages
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.cfg.scheduler.max_num_seqs))
+    check_parity(llm, batch[:2], [params] * 2)  # the engine keeps working
+
+
+@pytest.mark.parametrize("decoder", ["threshold", "joint_threshold"])
+def test_logits_only_at_positions_a_decoder_may_write(llm, monkeypatch, decoder):
+    """threshold: one logit row per masked position; an editing decoder: every non-prompt position."""
+    engine = llm.engine
+    runner = engine.runner
+    seen = []
+    original = runner.prepare
+
+    def recording_prepare(batch):
+        inputs, decode_inputs = original(batch)
+        if decode_inputs is not None:
+            expected = 0
+            for request in decode_inputs.requests:
+                block = request.active_tokens
+                editable = torch.arange(BL) >= request.prompt_positions_in_active_block()
+                if DECODERS[request.params.decoder].edits:
+                    expected += int(editable.sum())
+                else:
+                    expected += int(((torch.from_numpy(block) == engine.mask_id) & editable).sum())
+            seen.append((inputs.logit_index.shape[0], expected))
+        return inputs, decode_inputs
+
+    monkeypatch.setattr(runner, "prepare", recording_prepare)
+    check_parity(llm, prompts(llm, [7, 20], seed=3), [SamplingParams(max_new_tokens=30, decoder=decoder)] * 2)
+    assert seen and all(got == want for got, want in seen)
+    if decoder == "threshold":
+        assert any(got < 2 * BL for got, _ in seen)  # later steps compute fewer rows than the blocks hold
+
+
+def test_step_state_is_written_only_on_admission_and_block_entry(llm, monkeypatch):
+    engine = llm.engine
+    state = engine.runner.step_state
+    writes = []
+    original = state.refresh
+
+    def counting_refresh(requests):
+        before = list(state.owner)
+        original(requests)
+        writes.append(sum(a != b for a, b in zip(before, state.owner)))
+
+    monkeypatch.setattr(state, "refresh", counting_refresh)
+    [result] = check_parity(llm, prompts(llm, [5]), [SamplingParams(max_new_tokens=3 * BL, ignore_eos=True)])
+    # one write per block the request decoded, none on the other steps
+    assert sum(writes) == result.stats.blocks_committed
+    assert writes.count(0) == result.stats.forwards - result.stats.blocks_committed
+
+
+def test_postprocess_is_the_only_writer_of_request_progress(llm, monkeypatch):
+    """Counters move only inside Scheduler.postprocess (and admission/preemption in schedule)."""
+    import fluxlab.engine.sequence as sequence
+
+    engine = llm.engine
+    inside = {"postprocess": False}
+    watched = ("active_block", "forwards_in_block", "output_ids", "num_cached_blocks")
+    violations = []
+    original_setattr = sequence.Request.__setattr__
+
+    def guarded(self, name, value):
+        if name in watched and hasattr(self, name) and not inside["postprocess"]:
+            import traceback
+
+            stack = "".join(traceback.format_stack(limit=6))
+            if "schedule" not in stack and "_release" not in stack and "free" not in stack:
+                violations.append((name, stack))
+        original_setattr(self, name, value)
+
+    original_post = engine.scheduler.postprocess
+
+    def wrapped(batch, out):
+        inside["postprocess"] = True
+        try:
+            return original_post(batch, out)
+        finally:
+            inside["postprocess"] = False
+
+    monkeypatch.setattr(sequence.Request, "__setattr__", guarded)
+    monkeypatch.setattr(engine.scheduler, "postprocess", wrapped)
+    check_parity(llm, prompts(llm, [9, 30], seed=8), [SamplingParams(max_new_tokens=40)] * 2)
+    assert not violations, violations[0][1]
+
+
+@pytest.mark.parametrize("rows,mode,want", [
+    ([1, 1, 1], "padded", [(3, 4)]),
+    ([2, 2, 1, 3], "padded", [(4, 8)]),
+    ([2] * 8 + [1], "padded", None),  # 17 segments > 16
+    ([1] * 5, "decomposed", [(4, 4), (1, 1)]),
+    ([2, 2, 2, 1, 1, 1, 1, 1, 1], "decomposed", [(5, 8), (4, 4)]),
+    ([9], "decomposed", [(1, 16)]),
+    ([20], "decomposed", None),
+])
+def test_graph_plan_covers_any_mix_of_rows(rows, mode, want):
+    assert plan_chunks(rows, [1, 2, 4, 8, 16], mode) == want
+
+
+def test_random_weight_presets_never_read_tokenizer_files_of_the_working_directory(tmp_path, monkeypatch):
+    """special_token_ids("") used to read ./tokenizer*.json; random real-preset weights take the
+    released ids instead."""
+    from fluxlab.engine.loader import EOS_TOKEN_ID, MASK_TOKEN_ID, special_token_ids
+
+    (tmp_path / "tokenizer_config.json").write_text('{"mask_token": "<m>", "eos_token": "<e>"}')
+    (tmp_path / "tokenizer.json").write_text('{"added_tokens": [{"content": "<m>", "id": 5}, '
+                                             '{"content": "<e>", "id": 6}]}')
+    monkeypatch.chdir(tmp_path)
+    assert special_token_ids(tmp_path)[:2] == (5, 6)  # the files are readable...
+    from fluxlab.llm import LLM
+
+    random_llm = LLM(overrides=["model.preset=small", "model.load_format=random", "model.path=null",
+                                "engine.device=cpu", "engine.dtype=float32", "decoding.block_length=16",
+                                "model.max_model_len=64", "model.max_new_tokens=16", "scheduler.max_num_seqs=1",
+                                "scheduler.max_scheduled_tokens=64", "engine.cpu_kv_cache_gb=0.05"])
+    assert (random_llm.engine.mask_id, random_llm.engine.eos_id) == (MASK_TOKEN_ID, EOS_TOKEN_ID)
+
+
+@pytest.mark.parametrize("trust", [True, False])
+def test_trust_remote_code_reaches_the_tokenizer(tiny_ckpt, monkeypatch, trust):
+    import transformers
+
+    from fluxlab.engine.llm_engine import load_tokenizer
+
+    seen = {}
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    load_tokenizer(tiny_ckpt, trust)
+    assert seen["trust_remote_code"] is trust
