@@ -9,6 +9,7 @@ Definitions (DESIGN §10), over the requests that completed:
   tokens_per_forward = tokens the decoder accepted / forwards of the requests' active blocks
   tokens_per_chunk = output tokens / chunks
   engine_steps, mean_step_ms = the engine's forwards during the timed run and their mean wall time
+  graph_share = the share of those forwards that replayed a CUDA graph
     (schedule + forward + decode), from the engine's counters (offline) or the server's /metrics
 Percentiles use numpy's linear interpolation, as sglang does; an empty sample gives 0, as there.
 """
@@ -23,7 +24,7 @@ import pandas as pd
 STATS = ("mean", "median", "std", "p90", "p95", "p99")
 LATENCIES = ("e2e_latency", "ttft", "tpot", "itl")
 HEADLINE = ("completed", "failed", "duration", "request_throughput", "output_throughput", "tokens_per_forward",
-            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "mean_step_ms",
+            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "mean_step_ms", "graph_share",
             "accuracy")
 
 
@@ -65,6 +66,7 @@ class EngineSteps:
 
     forwards: int
     seconds: float
+    graph_forwards: Optional[int] = None  # of those, CUDA graph replays (None: not reported)
 
 
 def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
@@ -100,6 +102,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     if steps is not None and steps.forwards > 0:
         metrics["engine_steps"] = steps.forwards
         metrics["mean_step_ms"] = 1e3 * steps.seconds / steps.forwards
+        if steps.graph_forwards is not None:
+            metrics["graph_share"] = steps.graph_forwards / steps.forwards
     return metrics
 
 

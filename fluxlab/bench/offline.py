@@ -71,6 +71,7 @@ def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any],
     sent: dict[str, float] = {}
     chunk_times: dict[str, list[float]] = {}
     forwards, step_seconds = engine.total_forwards, engine.total_step_seconds
+    graph_forwards = engine.runner.num_graph_forwards
     start = time.perf_counter()
     for prompt, ids in zip(prompts, prompt_ids):
         request_id = engine.add_request(ids, _params(prompt, knobs))
@@ -90,7 +91,8 @@ def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any],
                     _finish(llm, records[out.request_id], out, sent[out.request_id], chunk_times[out.request_id], now)
                     progress.update(1)
     duration = time.perf_counter() - start
-    steps = EngineSteps(engine.total_forwards - forwards, engine.total_step_seconds - step_seconds)
+    steps = EngineSteps(engine.total_forwards - forwards, engine.total_step_seconds - step_seconds,
+                        engine.runner.num_graph_forwards - graph_forwards)
     return sorted(records.values(), key=lambda r: r.index), duration, steps
 
 

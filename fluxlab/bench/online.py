@@ -127,10 +127,11 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
 
 # fluxlab's engine counters on /metrics (a CounterMetricFamily's sample carries the _total suffix).
 _FORWARDS, _STEP_SECONDS = "fluxlab:forwards_total", "fluxlab:engine_step_seconds_total"
+_GRAPH_FORWARDS = "fluxlab:graph_forwards_total"
 
 
-async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional[tuple[float, float]]:
-    """(forwards, step seconds) from the server's /metrics; None when it has no fluxlab counters
+async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional[tuple[float, float, Optional[float]]]:
+    """(forwards, step seconds, graph replays or None) from the server's /metrics; None when it has no fluxlab counters
     (another engine, a router in front of several replicas) or cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,7 +144,7 @@ async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional
         return None
     if _FORWARDS not in samples or _STEP_SECONDS not in samples:
         return None
-    return samples[_FORWARDS], samples[_STEP_SECONDS]
+    return samples[_FORWARDS], samples[_STEP_SECONDS], samples.get(_GRAPH_FORWARDS)
 
 
 async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs: dict[str, Any], bench: Any,
@@ -180,7 +181,10 @@ async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs:
         duration = time.perf_counter() - start
         progress.close()
         after = await _engine_counters(client, base_url) if before is not None else None
-    steps = EngineSteps(int(after[0] - before[0]), after[1] - before[1]) if after is not None else None
+    steps = None
+    if after is not None:
+        graphs = int(after[2] - before[2]) if after[2] is not None and before[2] is not None else None
+        steps = EngineSteps(int(after[0] - before[0]), after[1] - before[1], graphs)
     return list(records), duration, steps
 
 

@@ -289,6 +289,11 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self._pending = []
+        runner = self.runner
+        total = runner.num_graph_forwards + runner.num_eager_forwards
+        if total:
+            log.info("forwards: %d, %d replayed a CUDA graph (%.0f%%), %d eager", total, runner.num_graph_forwards,
+                     100 * runner.num_graph_forwards / total, runner.num_eager_forwards)
 
 
 def make_engine(cfg: DictConfig) -> LLMEngine:

@@ -40,6 +40,7 @@ class EngineSnapshot:
     total_forwards: int = 0
     total_generated_tokens: int = 0
     total_step_seconds: float = 0.0
+    graph_forwards: int = 0  # forwards that replayed a CUDA graph
 
 
 class _Stream:
@@ -259,7 +260,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_waiting=e.num_waiting, num_running=e.num_running, kv_free_pages=e.kv_free_pages,
             kv_total_pages=e.kv_total_pages, total_forwards=e.total_forwards,
-            total_generated_tokens=e.total_generated_tokens, total_step_seconds=e.total_step_seconds)
+            total_generated_tokens=e.total_generated_tokens, total_step_seconds=e.total_step_seconds,
+            graph_forwards=e.runner.num_graph_forwards)
 
 
 def _settle(future: asyncio.Future, err: Optional[BaseException]) -> None:

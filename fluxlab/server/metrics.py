@@ -48,6 +48,8 @@ class _EngineCollector(Collector):
         yield gauge("kv_total_pages", "KV cache pages in the pool.", snap.kv_total_pages)
         yield counter("generation_tokens", "Output tokens committed by the engine.", snap.total_generated_tokens)
         yield counter("forwards", "Model forwards run by the engine.", snap.total_forwards)
+        yield counter("graph_forwards", "Forwards that replayed a CUDA graph (the rest ran eagerly).",
+                      snap.graph_forwards)
         yield counter("engine_step_seconds", "Wall time of engine steps that ran a forward (schedule, forward, "
                       "decode); over forwards it is the mean step latency.", snap.total_step_seconds)
         tpf = snap.total_generated_tokens / snap.total_forwards if snap.total_forwards else 0.0

@@ -52,6 +52,7 @@ def model_config_for(cfg: DictConfig):
 
 
 class ParallelEngine(RankEngine):
+    isolate_failures = False  # a step that raised may have left a collective half done: fatal
     def __init__(self, cfg: DictConfig):
         from omegaconf import OmegaConf
 
