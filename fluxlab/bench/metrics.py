@@ -9,8 +9,8 @@ Definitions (DESIGN §10), over the requests that completed:
   tokens_per_forward = tokens the decoder accepted / forwards of the requests' active blocks
   tokens_per_chunk = output tokens / chunks
   engine_steps, mean_step_ms = the engine's forwards during the timed run and their mean wall time
-  graph_share = the share of those forwards that replayed a CUDA graph
     (schedule + forward + decode), from the engine's counters (offline) or the server's /metrics
+  graph_share = the share of those forwards that replayed a CUDA graph
 Percentiles use numpy's linear interpolation, as sglang does; an empty sample gives 0, as there.
 """
 from __future__ import annotations
