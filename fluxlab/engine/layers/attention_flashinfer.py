@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
@@ -16,15 +17,15 @@ from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
 WORKSPACE_BYTES = 256 * 2**20
 
 
-def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int):
+def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host CSR arrays for FlashInfer: one segment per query block, kv = pages 0..block."""
-    qo_indptr, kv_indptr, kv_indices = [0], [0], []
-    for first, n, pages in meta_rows:
-        for j in range(n):
-            window = first + j + 1
-            kv_indices.extend(pages[:window])
-            qo_indptr.append(qo_indptr[-1] + block_length)
-            kv_indptr.append(kv_indptr[-1] + window)
+    windows = np.concatenate([np.arange(first + 1, first + n + 1) for first, n, _ in meta_rows])
+    kv_indptr = np.zeros(windows.shape[0] + 1, dtype=np.int32)
+    np.cumsum(windows, out=kv_indptr[1:])
+    kv_indices = np.concatenate([np.asarray(pages[:w], dtype=np.int32)
+                                 for first, n, pages in meta_rows for w in range(first + 1, first + n + 1)])
+    qo_indptr = np.arange(windows.shape[0] + 1, dtype=np.int32) * block_length
     return qo_indptr, kv_indptr, kv_indices
 
 
@@ -60,7 +61,8 @@ class FlashInferAttention:
         num_segments = len(qo_indptr) - 1
         i32 = dict(dtype=torch.int32)
         self.wrapper.plan(
-            torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), torch.tensor(kv_indices, **i32).to(self.device),
+            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
+            torch.from_numpy(kv_indices).to(self.device, non_blocking=True),
             torch.full((num_segments,), self.block_length, **i32),
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_length,
             causal=False, sm_scale=self.head_dim ** -0.5,
