@@ -213,7 +213,7 @@ def test_float32_on_cuda_uses_sdpa_and_refuses_flashinfer():
     assert "attention.backend=flashinfer has no float32 kernels" in str(err.value)
     with pytest.raises(ConfigError) as err:
         valid(["attention=sdpa", "attention.use_decode_cuda_graph=true"], cuda=True)
-    assert "attention.use_decode_cuda_graph needs attention.backend=flashinfer" in str(err.value)
+    assert "attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer" in str(err.value)
 
 
 def test_a_model_that_is_not_on_disk_is_a_clear_error_not_a_traceback():

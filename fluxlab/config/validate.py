@@ -131,8 +131,9 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
         _check(not graphs or on_cuda,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
-        _check(not attn.use_decode_cuda_graph or attn.backend == "flashinfer",
-               f"attention.use_decode_cuda_graph needs attention.backend=flashinfer (got {attn.backend})")
+        _check(not graphs or attn.backend == "flashinfer",
+               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer "
+               f"(got {attn.backend})")
         if attn.cuda_graph_capture_bs is None:
             sizes, b = [], 1
             while b < sched.max_num_seqs:
