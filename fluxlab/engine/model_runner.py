@@ -148,8 +148,7 @@ class ModelRunner:
                                      + [block_index[r * bl:(r + 1) * bl] for r in sampled_rows])
         decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
                                      sampled_rows, sorted({r.params.decoder for r in decoding}))
-        return StepInputs(token_ids, positions, [(f, n, d, list(t)) for f, n, d, t in rows], logit_index), \
-            decode_inputs
+        return StepInputs(token_ids, positions, rows, logit_index), decode_inputs
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""

@@ -175,13 +175,18 @@ class Scheduler:
                 candidates, barrier = inside, False
         candidates.sort(key=lambda r: r.last_scheduled_step)  # stable: arrival order among equals
         rows: list[ScheduledRow] = []
+        used = 0
         for request in candidates:
-            if request not in self.running:  # preempted while placing an earlier row
+            if request.state is RequestState.WAITING:  # preempted while placing an earlier row
                 continue
-            row = self._place(request, total_blocks - sum(r.num_blocks for r in rows), rows)
+            placed = len(rows)
+            row = self._place(request, total_blocks - used, rows)
+            if len(rows) != placed:  # a preemption dropped rows
+                used = sum(r.num_blocks for r in rows)
             if row is not None:
                 rows.append(row)
-        budget_blocks = total_blocks - sum(r.num_blocks for r in rows)
+                used += row.num_blocks
+        budget_blocks = total_blocks - used
         admit = barrier and (self.policy != "static" or not self.running)
         while admit and self.waiting and len(self.running) < self.max_num_seqs and budget_blocks > 0:
             request = self.waiting[0]
