@@ -71,13 +71,16 @@ def load_tokenizer(model_dir: Optional[Path], trust_remote_code: bool = False):
 
 def graph_segment_sizes(cfg: DictConfig) -> list[int]:
     """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
-    row committing and decoding), plus cuda_graph_capture_sizes / block_length with prefill graphs;
-    never more than a forward can hold (scheduler.max_scheduled_tokens)."""
+    row committing and decoding), every multiple of 8 up to the largest of those (FDFO batches mix
+    1- and 2-block rows: measured on an H200 at concurrency 16, padding 19 blocks to 32 cost the
+    dynamic policy 15% of its throughput), plus cuda_graph_capture_sizes / block_length with
+    prefill graphs; never more than a forward can hold (scheduler.max_scheduled_tokens)."""
     attn, bl = cfg.attention, cfg.decoding.block_length
     limit = cfg.scheduler.max_scheduled_tokens // bl
     sizes = set()
     if attn.use_decode_cuda_graph:
         sizes |= {n for b in attn.cuda_graph_capture_bs for n in (b, 2 * b)}
+        sizes |= set(range(8, max(sizes) + 1, 8))
     if attn.use_prefill_cuda_graph:
         sizes |= {t // bl for t in attn.cuda_graph_capture_sizes}
     return sorted(n for n in sizes if 1 <= n <= limit)
