@@ -216,3 +216,22 @@ def test_trust_remote_code_reaches_the_tokenizer(tiny_ckpt, monkeypatch, trust):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
     load_tokenizer(tiny_ckpt, trust)
     assert seen["trust_remote_code"] is trust
+
+
+def test_graph_sizes_cover_decode_commit_and_fdfo_mixes():
+    from fluxlab.config import compose, validate_config
+    from fluxlab.engine.llm_engine import graph_segment_sizes
+
+    def sizes(*overrides):
+        cfg = compose("generate", ["engine.device=cuda", "attention=flashinfer", "decoding.block_length=32",
+                                   "scheduler.max_num_seqs=16", *overrides])
+        validate_config(cfg, cuda_available=True)
+        return graph_segment_sizes(cfg)
+
+    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=1024") == \
+        [1, 2, 4, 8, 16, 24, 32]
+    # the token budget caps what a forward can hold
+    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=512") == [1, 2, 4, 8, 16]
+    assert sizes("attention.use_prefill_cuda_graph=true", "scheduler.max_scheduled_tokens=1024",
+                 "attention.cuda_graph_capture_sizes=[64,128,256,512,1024]") == [2, 4, 8, 16, 32]
+    assert sizes("scheduler.max_scheduled_tokens=1024") == []

@@ -72,9 +72,9 @@ def load_tokenizer(model_dir: Optional[Path], trust_remote_code: bool = False):
 def graph_segment_sizes(cfg: DictConfig) -> list[int]:
     """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
     row committing and decoding), every multiple of 8 up to the largest of those (FDFO batches mix
-    1- and 2-block rows: measured on an H200 at concurrency 16, padding 19 blocks to 32 cost the
-    dynamic policy 15% of its throughput), plus cuda_graph_capture_sizes / block_length with
-    prefill graphs; never more than a forward can hold (scheduler.max_scheduled_tokens)."""
+    1- and 2-block rows, so a power-of-two ladder alone would pad 17 blocks to 32), plus
+    cuda_graph_capture_sizes / block_length with prefill graphs; never more than a forward can
+    hold (scheduler.max_scheduled_tokens)."""
     attn, bl = cfg.attention, cfg.decoding.block_length
     limit = cfg.scheduler.max_scheduled_tokens // bl
     sizes = set()
