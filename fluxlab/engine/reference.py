@@ -24,7 +24,8 @@ class ReferenceOutput:
     forwards: int
     # per decoded block: how many positions each forward filled (mask -> token), for tests/stats
     accepted_per_step: list[list[int]] = field(default_factory=list)
-    edits: int = 0  # joint_threshold token-to-token edits applied
+    edits: int = 0  # joint_threshold / levenshtein_joint token-to-token edits applied
+    scan_edits: int = 0  # levenshtein_joint: DELETE and SPLIT tokens consumed by the edit scan
     canvas: list[int] = field(default_factory=list)  # final prompt + blocks (mask ids where never decoded)
 
 
