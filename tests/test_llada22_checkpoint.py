@@ -88,3 +88,34 @@ def test_fluxlab_checkpoint_command_writes_tiny_llada22(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_config(out).expert_capacity == 6
     assert len(special_ids(out).stop_ids) == 2
+
+
+def _validate(overrides):
+    from fluxlab.config import validate_config
+
+    cfg = compose("generate", ["engine.device=cpu"] + overrides)
+    validate_config(cfg, cuda_available=False)
+    return cfg
+
+
+def test_max_steps_per_block_defaults_to_1000_and_must_be_at_least_2():
+    from fluxlab.config.validate import ConfigError
+
+    assert _validate([]).decoding.max_steps_per_block == 1000
+    _validate(["decoding.max_steps_per_block=2"])
+    with pytest.raises(ConfigError, match=r"decoding.max_steps_per_block=1 must be >= 2"):
+        _validate(["decoding.max_steps_per_block=1"])
+
+
+def test_validation_refuses_a_block_length_off_the_routing_block_naming_both_keys(tiny22):
+    from fluxlab.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=r"decoding.block_length=16 must be a multiple of the model's routing "
+                                          r"block_size=32 \(block_size of model.preset=llada22_mini\)"):
+        _validate(["model=llada22_mini", "model.load_format=random", "decoding.block_length=16"])
+    with pytest.raises(ConfigError, match=r"decoding.block_length=12 .* block_size=8 \(block_size in model.path="):
+        _validate([f"model.path={tiny22}", "model.preset=null", "decoding.block_length=12", "model.max_model_len=240",
+                   "scheduler.max_scheduled_tokens=480"])
+    assert _validate(["model=llada22_mini", "model.load_format=random", "decoding.block_length=64"])
+    assert _validate([f"model.path={tiny22}", "model.preset=null", "decoding.block_length=16"])
+    assert _validate(["decoding.block_length=12", "model.max_model_len=240", "scheduler.max_scheduled_tokens=480"])
