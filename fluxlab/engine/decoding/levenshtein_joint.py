@@ -199,24 +199,23 @@ def levenshtein_step(logits: torch.Tensor, block: torch.Tensor, prompt_len: torc
     changed = written != block
     H = state.history.shape[1]
     live = torch.arange(H, device=device)[None, :] < state.history_len[:, None]
-
-    def seen(candidate: torch.Tensor) -> torch.Tensor:
-        return ((state.history == candidate[:, None, :]).all(-1) & live).any(-1)
-
-    repeat = active & ~final & changed.any(-1) & seen(written)
+    same = state.history == written[:, None, :]  # [R, H, L]
+    repeat = active & ~final & changed.any(-1) & (same.all(-1) & live).any(-1)
     where_ = torch.where(changed, cand_conf, torch.inf).argmin(-1)  # least confident, first on ties
     rows = torch.arange(R, device=device)
+    at = positions[None, :] == where_[:, None]
+    # a retry changes only position where_: compare the rest once, then that one token per retry
+    same_elsewhere = (same | at[:, None, :]).all(-1) & live  # [R, H]
+    history_at = state.history[rows, :, where_]  # [R, H]
     row_logits = logits[rows, where_].clone()  # [R, V]: one position per row
     row_logits[:, mask_id] = -torch.inf
     row_logits[rows, cand[rows, where_]] = -torch.inf
-    pending = repeat.clone()
-    at = positions[None, :] == where_[:, None]
+    pending = repeat
     for _ in range(escape_retries):
         alt = row_logits.argmax(-1)
         row_logits[rows, alt] = -torch.inf
-        tried = torch.where(at & pending[:, None], alt[:, None], written)
-        written = tried
-        pending = pending & seen(written)
+        written = torch.where(at & pending[:, None], alt[:, None], written)
+        pending = pending & (same_elsewhere & (history_at == alt[:, None])).any(-1)
 
     # history records the written block (after escape, before the scan)
     slot = state.history_len % H
