@@ -239,3 +239,21 @@ def test_tiny_llada22_under_tp_and_ep_gives_the_tp1_tokens(llada22, layout):
         assert llm.engine.kv_free_pages == llm.engine.kv_total_pages
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_routing_captures_in_a_cuda_graph_and_replays_as_eager():
+    x, gate, bias = _router(T=64)
+    x, gate, bias = x.cuda().bfloat16(), gate.cuda().bfloat16(), bias.cuda()
+    kw = dict(top_k=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, expert_capacity=6, routing_block_size=8)
+    static_x = x.clone()
+    route(static_x, gate, bias, **kw)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_idx, graph_w = route(static_x, gate, bias, **kw)
+    static_x.copy_(x.flip(0))
+    graph.replay()
+    eager_idx, eager_w = route(x.flip(0), gate, bias, **kw)
+    assert torch.equal(graph_idx, eager_idx) and torch.equal(graph_w, eager_w)

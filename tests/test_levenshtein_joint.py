@@ -322,3 +322,36 @@ def test_anti_loop_breaks_a_two_cycle():
     row.step(back)
     out = row.step(swap)  # would write [2, 1] again
     assert bool(out.escaped) and row.tokens == [2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_step_captures_in_a_cuda_graph_and_equals_the_cpu_step():
+    g = torch.Generator().manual_seed(5)
+    R, L = 3, 8
+    block = torch.full((R, L), MASK)
+    prompts = torch.tensor([0, 2, 5])
+    logits = torch.randn(R, L, V, generator=g) * 2.5
+
+    def fresh(device):
+        state = LevenshteinState.empty(R, L, 16, device)
+        state.enter_block(torch.arange(R, device=device), block.to(device), prompts.to(device), MASK)
+        knobs = LevenshteinKnobs(*(torch.tensor(v, device=device) for v in
+                                   ([0.5] * R, [0.0] * R, [4] * R, [2] * R, [1000] * R)))
+        return state, knobs
+
+    cpu_state, cpu_knobs = fresh("cpu")
+    want = levenshtein_step(logits, block, prompts, cpu_state, cpu_knobs, **IDS)
+    state, knobs = fresh("cuda")
+    static = [logits.cuda(), block.cuda(), prompts.cuda()]
+    warm_state, _ = fresh("cuda")
+    levenshtein_step(*static, warm_state, knobs, **IDS)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = levenshtein_step(*static, state, knobs, **IDS)
+    # capture records without running; reset anyway so the replay surely starts at block entry
+    state.enter_block(torch.arange(R, device="cuda"), static[1], static[2], MASK)
+    graph.replay()
+    assert out.block.cpu().tolist() == want.block.tolist()
+    assert state.step.cpu().tolist() == cpu_state.step.tolist()
