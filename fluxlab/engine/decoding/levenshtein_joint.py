@@ -201,15 +201,15 @@ def levenshtein_step(logits: torch.Tensor, block: torch.Tensor, prompt_len: torc
     live = torch.arange(H, device=device)[None, :] < state.history_len[:, None]
     same = state.history == written[:, None, :]  # [R, H, L]
     repeat = active & ~final & changed.any(-1) & (same.all(-1) & live).any(-1)
-    where_ = torch.where(changed, cand_conf, torch.inf).argmin(-1)  # least confident, first on ties
+    escape_pos = torch.where(changed, cand_conf, torch.inf).argmin(-1)  # least confident, first on ties
     rows = torch.arange(R, device=device)
-    at = positions[None, :] == where_[:, None]
-    # a retry changes only position where_: compare the rest once, then that one token per retry
+    at = positions[None, :] == escape_pos[:, None]
+    # a retry changes only position escape_pos: compare the rest once, then that one token per retry
     same_elsewhere = (same | at[:, None, :]).all(-1) & live  # [R, H]
-    history_at = state.history[rows, :, where_]  # [R, H]
-    row_logits = logits[rows, where_].clone()  # [R, V]: one position per row
+    history_at = state.history[rows, :, escape_pos]  # [R, H]
+    row_logits = logits[rows, escape_pos].clone()  # [R, V]: one position per row
     row_logits[:, mask_id] = -torch.inf
-    row_logits[rows, cand[rows, where_]] = -torch.inf
+    row_logits[rows, cand[rows, escape_pos]] = -torch.inf
     pending = repeat
     for _ in range(escape_retries):
         alt = row_logits.argmax(-1)
