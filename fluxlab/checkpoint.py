@@ -19,6 +19,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<role>", "</role>", "<|role_end|
 _RELEASED_SPECIAL_IDS = {"<|endoftext|>": 156892, "<|mask|>": 156895, "<role>": 156897, "</role>": 156898,
                          "<|role_end|>": 156899}
 _SHARD_BYTES = 2 * 1024**3
+# LLaDA2.2 edit tokens (DESIGN §5): published ids 156930/156931; the tiny twin adds them after its specials.
+EDIT_TOKENS = ["<|delete|>", "<|split|>"]
+_RELEASED_EDIT_IDS = {"<|delete|>": 156930, "<|split|>": 156931}
+# The tiny LLaDA2.2 twin stops on EOS and on <|role_end|> (two stop ids, like the released 156892/156900).
+_TINY_LLADA22_SECOND_STOP = "<|role_end|>"
 
 # Ling-2.0 style: <role>SYSTEM</role>…<|role_end|><role>HUMAN</role>…<|role_end|><role>ASSISTANT</role>
 CHAT_TEMPLATE = (
@@ -103,11 +108,29 @@ def preset_checkpoint_config(preset: str, dtype: str = "float32") -> tuple[dict,
     if preset == "tiny":
         special_ids = _tiny_special_ids()
         cfg["vocab_size"] = max(special_ids.values()) + 1
+    elif preset == "tiny_llada22":
+        special_ids = _tiny_special_ids()
+        first_free = max(special_ids.values()) + 1
+        special_ids.update({t: first_free + i for i, t in enumerate(EDIT_TOKENS)})
+        cfg["vocab_size"] = max(special_ids.values()) + 1
     else:
         special_ids = dict(_RELEASED_SPECIAL_IDS)
+        if cfg.get("delete_token_id") is not None:
+            special_ids.update(_RELEASED_EDIT_IDS)
+    if "<|delete|>" in special_ids:
+        cfg["delete_token_id"], cfg["split_token_id"] = special_ids["<|delete|>"], special_ids["<|split|>"]
     cfg["pad_token_id"] = special_ids["<|endoftext|>"]
     cfg["torch_dtype"] = str(resolve_dtype(dtype)).removeprefix("torch.")
     return cfg, special_ids
+
+
+def _generation_config(preset: str, special_ids: dict[str, int]) -> dict:
+    from fluxlab.engine.presets import preset_generation_config
+
+    eos = special_ids["<|endoftext|>"]
+    if preset == "tiny_llada22":
+        return {"eos_token_id": [eos, special_ids[_TINY_LLADA22_SECOND_STOP]], "pad_token_id": eos}
+    return preset_generation_config(preset) or {"eos_token_id": eos, "pad_token_id": eos}
 
 
 def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str = "float32",
@@ -127,15 +150,16 @@ def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str =
         raise ValueError("write_checkpoint: out= (a directory) is required")
     out = Path(out)
     torch_dtype = resolve_dtype(dtype)
-    tiny = preset == "tiny"
+    from fluxlab.engine.presets import TINY_PRESETS
+
+    tiny = preset in TINY_PRESETS
     cfg, special_ids = preset_checkpoint_config(preset, dtype)
     config = LLaDA2MoeConfig.from_dict(cfg)
 
     out.mkdir(parents=True, exist_ok=True)
     files = _tokenizer_files(special_ids, cfg["max_position_embeddings"])
     files["config.json"] = _dump(cfg)
-    files["generation_config.json"] = _dump({"eos_token_id": special_ids["<|endoftext|>"],
-                                            "pad_token_id": special_ids["<|endoftext|>"]})
+    files["generation_config.json"] = _dump(_generation_config(preset, special_ids))
     for name, text in files.items():
         (out / name).write_text(text, encoding="utf-8")
 
@@ -145,7 +169,7 @@ def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str =
     total = sum(_numel(s.shape) for s in layout.values()) * elem
     if shard is None:
         shard = total > _SHARD_BYTES
-    ids = {"mask": special_ids["<|mask|>"], "eos": special_ids["<|endoftext|>"]}
+    ids = random_special_ids(special_ids)
     metadata = {"format": "pt"}
 
     def tensors_of(group_list):
@@ -169,6 +193,12 @@ def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str =
     return out
 
 
+def random_special_ids(special_ids: dict[str, int]) -> dict[str, int]:
+    """Token name -> id -> the roles random_tensors gives special rows (mask, eos, delete, split)."""
+    roles = {"mask": "<|mask|>", "eos": "<|endoftext|>", "delete": "<|delete|>", "split": "<|split|>"}
+    return {role: special_ids[tok] for role, tok in roles.items() if tok in special_ids}
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -189,20 +219,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FLUXLAB_CACHE") or Path.home() / ".cache" / "fluxlab")
 
 
-def ensure_tiny_checkpoint(cache_dir=None) -> Path:
-    """Path of the tiny checkpoint, written once into <cache>/tiny_llada2-<digest> and reused.
+def ensure_tiny_checkpoint(cache_dir=None, preset: str = "tiny") -> Path:
+    """Path of the tiny checkpoint, written once into <cache>/tiny_llada2-<digest> and reused
+    (preset="tiny_llada22": the tiny LLaDA2.2 twin, in <cache>/tiny_llada22-<digest>).
 
     Safe under concurrent callers: each writes into its own temporary folder and renames it into
     place atomically; a loser of the race discards its copy and uses the winner's.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"tiny_llada2-{_source_digest()}"
+    from fluxlab.engine.presets import TINY_PRESETS
+
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"ensure_tiny_checkpoint: preset {preset!r} is not one of {TINY_PRESETS}")
+    name = "tiny_llada2" if preset == "tiny" else preset
+    final = cache / f"{name}-{_source_digest()}"
     if (final / "config.json").exists():
         return final
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny_llada2-tmp-", dir=cache))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-tmp-", dir=cache))
     try:
-        write_checkpoint("tiny", tmp, seed=0, dtype="float32")
+        write_checkpoint(preset, tmp, seed=0, dtype="float32")
         try:
             os.rename(tmp, final)
         except OSError:

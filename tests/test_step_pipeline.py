@@ -235,3 +235,31 @@ def test_graph_sizes_cover_decode_commit_and_fdfo_mixes():
     assert sizes("attention.use_prefill_cuda_graph=true", "scheduler.max_scheduled_tokens=1024",
                  "attention.cuda_graph_capture_sizes=[64,128,256,512,1024]") == [2, 4, 8, 16, 32]
     assert sizes("scheduler.max_scheduled_tokens=1024") == []
+
+
+def test_block_routed_model_runs_in_the_engine_and_matches_the_reference():
+    """LLaDA2.2's block routing is a model rule whatever the decoder: tiny_llada22 under the
+    threshold decoder, a mixed batch on the dynamic policy, equals the reference per request."""
+    from fluxlab.engine.reference import reference_generate
+    from fluxlab.llm import LLM
+
+    llm = LLM(model="tiny_llada22", overrides=["engine.dtype=float32", "engine.device=cpu", "scheduler=dynamic",
+                                               "decoding.block_length=16", "model.max_model_len=256",
+                                               "scheduler.max_num_seqs=4", "scheduler.max_scheduled_tokens=128"])
+    engine = llm.engine
+    assert engine.model_config.routing_block_size and 16 % engine.model_config.routing_block_size == 0
+    batch = prompts(llm, [5, 16, 23, 40], seed=17)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    results = llm.generate(batch, params)
+    for prompt, got in zip(batch, results):
+        want = reference_generate(engine.model, prompt, mask_id=engine.mask_id, eos_id=engine.eos_id,
+                                  block_length=16, max_new_tokens=30, ignore_eos=True, steps=16)
+        assert got.token_ids == want.token_ids
+    assert engine.kv_free_pages == engine.kv_total_pages
+
+
+def test_misaligned_rows_never_reach_a_block_routed_moe(llm):
+    from fluxlab.engine.layers.moe import check_routing_blocks
+
+    with pytest.raises(ValueError, match="routing block"):
+        check_routing_blocks(list(range(16)) + list(range(16)), 32)  # two 16-token rows fill one block of 32

@@ -64,7 +64,8 @@ class DecodingConfig:
     threshold: float = 0.9
     low_threshold: float = 0.3  # hierarchy
     editing_threshold: float = 0.5  # joint_threshold; 0.0 = edit whenever the argmax differs
-    max_post_steps: int = 16  # joint_threshold
+    max_post_steps: int = 16  # joint_threshold, levenshtein_joint
+    max_steps_per_block: int = 1000  # levenshtein_joint: hard cap on forwards per block (>= 2)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

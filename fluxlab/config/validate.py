@@ -30,6 +30,28 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _model_routing_block(model: DictConfig) -> tuple[int, str]:
+    """(routing block_size, where it was read) of the configured model; 0 without block routing.
+
+    Read from model.path/config.json when that folder exists, else from model.preset's shapes (a
+    JSON read or a dict lookup: no torch). An HF id not on disk falls through to the preset; the
+    engine checks the loaded config again (check_block_length) whatever path it took."""
+    import json
+    from pathlib import Path
+
+    config, source = None, None
+    if model.path is not None and (Path(str(model.path)).expanduser() / "config.json").is_file():
+        with open(Path(str(model.path)).expanduser() / "config.json") as f:
+            config, source = json.load(f), f"block_size in model.path={model.path}/config.json"
+    elif model.preset is not None:
+        from fluxlab.engine.presets import PRESETS
+
+        config, source = PRESETS.get(model.preset), f"block_size of model.preset={model.preset}"
+    if not config or not config.get("expert_capacity"):
+        return 0, ""
+    return int(config.get("block_size") or 0), source
+
+
 def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> list[str]:
     """Resolve derived keys of a run config in place and check every cross-field rule."""
     notes: list[str] = []
@@ -85,6 +107,10 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                f"model.max_model_len={model.max_model_len} must be >= decoding.block_length={bl}")
         _check(1 <= model.max_new_tokens < model.max_model_len,
                f"model.max_new_tokens={model.max_new_tokens} must be in [1, model.max_model_len={model.max_model_len})")
+        routing_block, source = _model_routing_block(model)
+        _check(not routing_block or bl % routing_block == 0,
+               f"decoding.block_length={bl} must be a multiple of the model's routing block_size={routing_block} "
+               f"({source}): LLaDA2.2 block routing needs whole routing blocks of one request per row")
 
         # --- scheduler and KV layout ---
         _check(sched.policy in POLICIES, f"scheduler.policy={sched.policy!r}: use one of {', '.join(POLICIES)}")

@@ -33,9 +33,11 @@ def resolve_model_dir(model_cfg: DictConfig) -> Optional[Path]:
     of a real preset whose files are not on this machine."""
     from fluxlab.checkpoint import ensure_tiny_checkpoint
 
+    from fluxlab.engine.presets import TINY_PRESETS
+
     if model_cfg.path is None:
-        if model_cfg.preset == "tiny":
-            return ensure_tiny_checkpoint()
+        if model_cfg.preset in TINY_PRESETS:
+            return ensure_tiny_checkpoint(preset=model_cfg.preset)
         if model_cfg.load_format == "random":
             return None
         raise ValueError(f"model.path is not set for model={model_cfg.name}")
@@ -88,7 +90,8 @@ def graph_segment_sizes(cfg: DictConfig) -> list[int]:
 
 class LLMEngine:
     def __init__(self, cfg: DictConfig):
-        from fluxlab.engine.loader import build_random_model, load_model, special_token_ids
+        from fluxlab.engine.loader import build_random_model, load_model, special_ids
+        from fluxlab.engine.models.llada2_moe import check_block_length
 
         self.cfg = cfg
         self.device = torch.device(cfg.engine.device)
@@ -115,14 +118,12 @@ class LLMEngine:
         for module in self.model.modules():
             if isinstance(module, StackedExperts):
                 module.backend = moe_backend
-        if model_dir is not None:
-            self.mask_id, self.eos_id, _ = special_token_ids(model_dir)
-        else:  # random weights of a real preset: the released ids (never files in the working directory)
-            from fluxlab.engine.loader import EOS_TOKEN_ID, MASK_TOKEN_ID
-
-            self.mask_id, self.eos_id = MASK_TOKEN_ID, EOS_TOKEN_ID
-        self.eos_ids = (self.eos_id,)
+        # Random weights of a published preset have no files: the preset's released ids.
+        self.special = special_ids(model_dir, preset=cfg.model.preset)
+        self.mask_id, self.eos_id = self.special.mask_id, self.special.eos_id
+        self.eos_ids = self.special.stop_ids  # a request stops on any of them
         self.block_length = cfg.decoding.block_length
+        check_block_length(self.model_config, self.block_length)
         self.max_model_len = cfg.model.max_model_len
         max_pages_useful = cfg.scheduler.max_num_seqs * (self.max_model_len // self.block_length)
         if cfg.scheduler.num_device_pages > 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -250,6 +251,9 @@ def _init_std(name: str, shape: tuple, c: LLaDA2MoeConfig, peaked: bool) -> floa
 PEAKED_LM_HEAD_STD = 2.0
 PEAKED_EOS_GAIN = 2.5
 PEAKED_MASK_GAIN = 0.05
+# tiny_llada22: DELETE/SPLIT rows boosted so the edit scan runs: measured on 256 corpus tokens, the
+# argmax is DELETE at 3.5% and SPLIT at 2.3% of positions (0% for both at gain 1).
+PEAKED_EDIT_GAIN = 2.0
 
 
 def random_tensor(c: LLaDA2MoeConfig, name: str, shape: tuple, seed: int = 0, *, peaked: bool = False,
@@ -267,6 +271,10 @@ def random_tensor(c: LLaDA2MoeConfig, name: str, shape: tuple, seed: int = 0, *,
         t[special_ids["mask"]] *= PEAKED_MASK_GAIN
     if peaked and name == "lm_head.weight" and "eos" in special_ids:
         t[special_ids["eos"]] *= PEAKED_EOS_GAIN
+    if peaked and name == "lm_head.weight":
+        for role in ("delete", "split"):
+            if role in special_ids:
+                t[special_ids[role]] *= PEAKED_EDIT_GAIN
     return t
 
 
@@ -300,9 +308,12 @@ def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed
 
         cfg, ids = preset_checkpoint_config(preset_or_config)
         config = LLaDA2MoeConfig.from_dict(cfg)
-        if preset_or_config == "tiny":
+        from fluxlab.checkpoint import random_special_ids
+        from fluxlab.engine.presets import TINY_PRESETS
+
+        if preset_or_config in TINY_PRESETS:
             peaked = True if peaked is None else peaked
-            special_ids = special_ids or {"mask": ids["<|mask|>"], "eos": ids["<|endoftext|>"]}
+            special_ids = special_ids or random_special_ids(ids)
     dtype = resolve_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = LLaDA2MoeModel(config, dtype=dtype, device=device, dims=dims).eval()
@@ -344,9 +355,10 @@ def special_token_ids(path) -> tuple[int, int, int]:
     """(mask_id, eos_id, pad_id) from the checkpoint's tokenizer (its JSON files, else
     transformers' AutoTokenizer); falls back to the released LLaDA2 ids (mask 156895, eos 156892)
     and config.json's pad_token_id."""
-    path = Path(path)
+    # None (random weights of a published preset) reads no files: Path("") would be the cwd.
+    path = Path(path) if path else None
     mask_id = eos_id = pad_id = None
-    if path.is_dir():
+    if path is not None and path.is_dir():
         try:
             mask_id, eos_id, pad_id = _ids_from_tokenizer_files(path)
         except (OSError, ValueError, KeyError, TypeError):
@@ -370,3 +382,49 @@ def special_token_ids(path) -> tuple[int, int, int]:
     eos_id = EOS_TOKEN_ID if eos_id is None else int(eos_id)
     pad_id = eos_id if pad_id is None else int(pad_id)
     return mask_id, eos_id, pad_id
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """A checkpoint's special token ids. stop_ids: a request stops on any of them (eos first);
+    delete_id/split_id: LLaDA2.2 edit tokens, None when the model has none."""
+
+    mask_id: int
+    eos_id: int
+    pad_id: int
+    stop_ids: tuple[int, ...]
+    delete_id: int | None = None
+    split_id: int | None = None
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def special_ids(path, preset: str | None = None) -> SpecialIds:
+    """All special ids of a checkpoint folder: (mask, eos, pad) as `special_token_ids`, stop ids
+    from generation_config.json's eos_token_id (an int or a list; LLaDA2.2 lists 156892 and
+    156900) plus the tokenizer's eos, edit ids from config.json's delete_token_id/split_token_id.
+    Without files (random weights of a published preset) `preset` supplies them."""
+    from fluxlab.engine.presets import preset_config, preset_generation_config
+
+    path = Path(path) if path else None
+    mask_id, eos_id, pad_id = special_token_ids(path)
+    generation, config = None, None
+    if path is not None and path.is_dir():
+        if (path / "generation_config.json").exists():
+            with open(path / "generation_config.json") as f:
+                generation = json.load(f)
+        if (path / "config.json").exists():
+            with open(path / "config.json") as f:
+                config = json.load(f)
+    if preset is not None:
+        generation = generation if generation is not None else preset_generation_config(preset)
+        config = config if config is not None else preset_config(preset)
+    stops = [eos_id] + _as_ids((generation or {}).get("eos_token_id"))
+    config = config or {}
+    delete_id, split_id = config.get("delete_token_id"), config.get("split_token_id")
+    return SpecialIds(mask_id, eos_id, pad_id, tuple(dict.fromkeys(stops)),
+                      None if delete_id is None else int(delete_id), None if split_id is None else int(split_id))

@@ -19,6 +19,7 @@ from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.decoding.base import DecodeBatch
 from fluxlab.engine.decoding.sampling import filtered_probs
 from fluxlab.engine.decoding.step import decode
+from fluxlab.engine.layers.moe import check_routing_blocks
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
@@ -67,6 +68,7 @@ class ModelRunner:
         self.backend = backend
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mask_id = mask_id
+        self.routing_block_size = getattr(cfg, "routing_block_size", 0) or 0
         self.num_qo_heads = getattr(model, "num_local_heads", cfg.num_attention_heads)  # per TP rank
         self.num_kv_heads = getattr(model, "num_local_kv_heads", cfg.num_key_value_heads)
         # One page past the budget takes the K/V writes of padded graph rows.
@@ -130,6 +132,11 @@ class ModelRunner:
             offset += length
         token_ids = np.concatenate([tokens for tokens, _, _ in spans])
         positions = np.concatenate([np.arange(start, start + length) for _, start, length in spans])
+        if self.routing_block_size:
+            # Block routing pools experts per routing block: each must be one request's, aligned
+            # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
+            lengths = np.array([length for _, _, length in spans])
+            check_routing_blocks(positions, self.routing_block_size, row_starts=np.cumsum(lengths) - lengths)
         if not decoding:
             return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64)), None
         num = len(decoding)

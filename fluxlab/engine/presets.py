@@ -69,6 +69,14 @@ _TINY = {
 _SMALL = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 16, "max_window_layers": 2}
 
+# LLaDA2.2 (DESIGN §4b): the LLaDA2.0 shapes plus block routing (expert_capacity experts per routing
+# block of block_size tokens) and the DELETE/SPLIT edit-token ids. Its stop ids live in
+# generation_config.json (see GENERATION_CONFIGS).
+_LLADA22 = {"expert_capacity": 48, "block_size": 32, "delete_token_id": 156930, "split_token_id": 156931}
+# Tiny twin: 6 of 16 experts per routing block of 8 tokens, so the pool really restricts the top-4
+# choices (8 tokens x 4 choices rarely fit in 6 experts). Edit ids are set from its tokenizer.
+_TINY_LLADA22 = {"expert_capacity": 6, "block_size": 8, "delete_token_id": None, "split_token_id": None}
+
 PRESETS = {
     "tiny": {**_COMMON, **_TINY},
     "small": {**_COMMON, **_SMALL},
@@ -76,14 +84,33 @@ PRESETS = {
     "llada2_flash": {**_COMMON, **_FLASH},
     "llada21_mini": {**_COMMON, **_MINI},
     "llada21_flash": {**_COMMON, **_FLASH},
+    "llada22_mini": {**_COMMON, **_MINI, **_LLADA22},
+    "llada22_flash": {**_COMMON, **_FLASH, **_LLADA22},
+    "tiny_llada22": {**_COMMON, **_TINY, **_TINY_LLADA22},
 }
+
+# Presets whose checkpoint is written by fluxlab itself with a trained tiny tokenizer.
+TINY_PRESETS = ("tiny", "tiny_llada22")
 
 # The released checkpoints' tokenizer ids (not in config.json).
 MASK_TOKEN_ID = 156895
 EOS_TOKEN_ID = 156892
+# LLaDA2.2's generation_config.json: a request stops on either id.
+LLADA22_STOP_TOKEN_IDS = (156892, 156900)
+GENERATION_CONFIGS = {
+    "llada22_mini": {"eos_token_id": list(LLADA22_STOP_TOKEN_IDS), "pad_token_id": EOS_TOKEN_ID},
+    "llada22_flash": {"eos_token_id": list(LLADA22_STOP_TOKEN_IDS), "pad_token_id": EOS_TOKEN_ID},
+}
 
 
 def preset_config(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return copy.deepcopy(PRESETS[name])
+
+
+def preset_generation_config(name: str) -> dict | None:
+    """generation_config.json of a published preset when it differs from {eos, pad} (LLaDA2.2:
+    two stop ids); None for presets whose ids come from the tokenizer alone."""
+    preset_config(name)  # unknown names are an error
+    return copy.deepcopy(GENERATION_CONFIGS.get(name))

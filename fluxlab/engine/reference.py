@@ -24,7 +24,8 @@ class ReferenceOutput:
     forwards: int
     # per decoded block: how many positions each forward filled (mask -> token), for tests/stats
     accepted_per_step: list[list[int]] = field(default_factory=list)
-    edits: int = 0  # joint_threshold token-to-token edits applied
+    edits: int = 0  # joint_threshold / levenshtein_joint token-to-token edits applied
+    scan_edits: int = 0  # levenshtein_joint: DELETE and SPLIT tokens consumed by the edit scan
     canvas: list[int] = field(default_factory=list)  # final prompt + blocks (mask ids where never decoded)
 
 
@@ -69,22 +70,39 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
                        block_length: int = 32, steps: int | None = None, max_new_tokens: int = 128,
                        threshold: float = 0.9, editing_threshold: float = 0.5, max_post_steps: int = 16,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                       ignore_eos: bool = False, low_threshold: float = 0.3) -> ReferenceOutput:
-    """Generate for one prompt; `decoder` is "threshold" (LLaDA2.0), "joint_threshold" (LLaDA2.1)
-    or "hierarchy" (dInfer). A literal mask id inside the prompt is prompt text: never decoded."""
-    from fluxlab.engine.decoding.registry import DECODERS, KNOBS
+                       ignore_eos: bool = False, low_threshold: float = 0.3, stop_ids=None,
+                       delete_id: int | None = None, split_id: int | None = None,
+                       max_steps_per_block: int = 1000) -> ReferenceOutput:
+    """Generate for one prompt; `decoder` is "threshold" (LLaDA2.0), "joint_threshold" (LLaDA2.1),
+    "hierarchy" (dInfer) or "levenshtein_joint" (LLaDA2.2, greedy; needs delete_id/split_id, stops
+    on any of stop_ids, default (eos_id,)). A literal mask id inside the prompt is prompt text.
+    Decoder names and knob ranges are the registry's (fluxlab/engine/decoding/)."""
+    from fluxlab.engine.decoding.knobs import KNOBS
+    from fluxlab.engine.decoding.registry import DECODERS
 
-    if decoder not in DECODERS:
-        raise ValueError(f"reference_generate: unknown decoder {decoder!r} ({', '.join(DECODERS)})")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
     knobs = dict(threshold=threshold, editing_threshold=editing_threshold, max_post_steps=max_post_steps,
                  temperature=temperature, top_p=top_p, top_k=top_k, low_threshold=low_threshold,
-                 steps=steps or block_length)
+                 steps=steps or block_length, max_steps_per_block=max_steps_per_block)
     for name, value in knobs.items():
         problem = KNOBS[name].problem(value, block_length)
         if problem:
             raise ValueError(f"reference_generate: {problem}")
+    if decoder == "levenshtein_joint":
+        from fluxlab.engine.reference_llada22 import reference_generate_llada22
+
+        if delete_id is None or split_id is None:
+            raise ValueError("reference_generate: levenshtein_joint needs delete_id and split_id")
+        if temperature > 0:
+            raise ValueError("reference_generate: levenshtein_joint is greedy (temperature 0)")
+        return reference_generate_llada22(model, prompt_ids, mask_id=mask_id, stop_ids=stop_ids or (eos_id,),
+                                          delete_id=delete_id, split_id=split_id, block_length=block_length,
+                                          steps=steps, max_new_tokens=max_new_tokens, threshold=threshold,
+                                          editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+                                          max_steps_per_block=max_steps_per_block, ignore_eos=ignore_eos)
+    if decoder not in DECODERS:
+        raise ValueError(f"reference_generate: unknown decoder {decoder!r} ({', '.join(DECODERS)})")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
     device = next(model.parameters()).device
     prompt_len = len(prompt_ids)
     num_blocks = -(-(prompt_len + max_new_tokens) // block_length)

@@ -29,6 +29,7 @@ class SamplingParams:
     steps: Optional[int] = None
     editing_threshold: Optional[float] = None
     max_post_steps: Optional[int] = None
+    max_steps_per_block: Optional[int] = None
     low_threshold: Optional[float] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None

@@ -55,6 +55,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("temperature", float, 0.0, help="0 = greedy"),
     Knob("top_p", float, 0.0, 1.0, exclusive_minimum=True),
     Knob("top_k", int, 0, help="0 = off"),
+    Knob("max_steps_per_block", int, 2,
+         help="levenshtein_joint: hard cap on forwards per block (a final round, then the commit)"),
 )}
 
 # torch.Generator.manual_seed takes any 64-bit value; the API takes the signed int64 range's

@@ -6,7 +6,15 @@ Per-token definition (the published `LLaDA2MoeGate` + `moe_infer`):
   among them); the *weights* are the unbiased scores of the chosen experts, divided by their sum
   (+1e-20) and times routed_scaling_factor. Each expert is a SwiGLU run in the model dtype; the
   weighted sum over the top_k outputs is taken in fp32 and cast back to the model dtype.
+
+LLaDA2.2 block routing (DESIGN §4b, selected by expert_capacity > 0): the flat tokens are cut into
+routing blocks of routing_block_size consecutive tokens; each block keeps a pool of the
+expert_capacity experts with the largest max over its tokens of scores + expert_bias, and each token
+takes its top_k (biased) experts inside its block's pool. Grouped top-k is not used. The caller
+guarantees that every routing block is one request's tokens at aligned positions
+(`check_routing_blocks` checks a batch's positions on the host).
 """
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +23,12 @@ from fluxlab.engine.layers.norm import use_fused
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int,
-          n_group: int, topk_group: int, routed_scaling_factor: float):
+          n_group: int, topk_group: int, routed_scaling_factor: float, expert_capacity: int = 0,
+          routing_block_size: int = 0):
     """x [T, H] -> (topk_idx [T, top_k] int64, topk_weight [T, top_k] fp32)."""
     logits = F.linear(x.float(), gate_weight.float())
+    if expert_capacity > 0:
+        return _block_route(logits, expert_bias, top_k, expert_capacity, routing_block_size, routed_scaling_factor)
     if use_fused(x):  # one Triton launch for everything after the GEMM (ties: lowest index first)
         from fluxlab.kernels.fused_norm import route_topk_from_logits
 
@@ -37,6 +48,55 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor 
     if top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_idx, weights * routed_scaling_factor
+
+
+def _block_route(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, capacity: int,
+                 block_size: int, routed_scaling_factor: float):
+    """Block routing after the router GEMM (sync-free, so CUDA-graph capturable)."""
+    num_tokens, num_experts = logits.shape
+    if block_size < 1 or num_tokens % block_size:
+        raise ValueError(f"block routing: {num_tokens} tokens are not whole routing blocks of {block_size}")
+    scores = torch.sigmoid(logits)
+    choice = scores + expert_bias.float() if expert_bias is not None else scores
+    blocks = choice.view(num_tokens // block_size, block_size, num_experts)
+    pool = blocks.amax(dim=1).topk(capacity, dim=-1).indices  # [blocks, capacity]
+    in_pool = torch.zeros(blocks.shape[0], num_experts, dtype=torch.bool, device=logits.device)
+    in_pool.scatter_(1, pool, True)
+    choice = blocks.masked_fill(~in_pool[:, None, :], float("-inf")).view(num_tokens, num_experts)
+    topk_idx = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, topk_idx)
+    if top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_idx, weights * routed_scaling_factor
+
+
+def check_routing_blocks(positions, block_size: int, row_starts=None) -> None:
+    """Host-side check that a forward's flat tokens are whole, aligned routing blocks.
+
+    positions: the flat [T] absolute positions (numpy or a list); every group of block_size
+    consecutive tokens must sit at p0, p0+1, ..., p0+block_size-1 with p0 % block_size == 0.
+    row_starts: optional flat offsets where each row (request) begins; each must be a multiple of
+    block_size, so no routing block spans two rows even where positions alone cannot tell (a row
+    ending at position 47 followed by a row starting at 48). Raises ValueError naming the block.
+    """
+    if block_size <= 0:
+        return
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if pos.size % block_size:
+        raise ValueError(f"block routing: {pos.size} tokens are not whole routing blocks of {block_size}")
+    groups = pos.reshape(-1, block_size)
+    aligned = (groups[:, 0] % block_size == 0) & (groups == groups[:, :1] + np.arange(block_size)).all(axis=1)
+    if not aligned.all():
+        bad = int(np.flatnonzero(~aligned)[0])
+        raise ValueError(f"block routing: tokens {bad * block_size}..{(bad + 1) * block_size - 1} of the forward "
+                         f"hold positions {groups[bad].tolist()}, not one aligned routing block of {block_size} "
+                         "(rows must be whole blocks of one request at positions aligned to 0)")
+    if row_starts is not None:
+        starts = np.asarray(row_starts, dtype=np.int64).reshape(-1)
+        off = starts % block_size != 0
+        if off.any():
+            raise ValueError(f"block routing: a row starts at flat token {int(starts[off][0])}, inside a routing "
+                             f"block of {block_size} (two requests would share one routing block)")
 
 
 def _expert(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -189,9 +249,11 @@ class StackedExperts(nn.Module):
 
 class MoEGate(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int, n_group: int, topk_group: int,
-                 routed_scaling_factor: float, dtype=None, device=None):
+                 routed_scaling_factor: float, expert_capacity: int = 0, routing_block_size: int = 0,
+                 dtype=None, device=None):
         super().__init__()
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.expert_capacity, self.routing_block_size = expert_capacity, routing_block_size
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
@@ -201,4 +263,5 @@ class MoEGate(nn.Module):
 
     def forward(self, x):
         return route(x, self.weight, self.expert_bias, top_k=self.top_k, n_group=self.n_group,
-                     topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
+                     topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                     expert_capacity=self.expert_capacity, routing_block_size=self.routing_block_size)

@@ -52,6 +52,12 @@ class LLaDA2MoeConfig:
     use_qkv_bias: bool = False
     use_bias: bool = False
     model_type: str = "llada2_moe"
+    # LLaDA2.2 block routing (DESIGN §4b): expert_capacity > 0 selects it; each routing block of
+    # block_size tokens of one request picks a pool of expert_capacity experts.
+    expert_capacity: int = 0
+    block_size: int | None = None
+    delete_token_id: int | None = None  # LLaDA2.2 edit tokens (levenshtein_joint)
+    split_token_id: int | None = None
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json keys, kept verbatim
 
     def __post_init__(self):
@@ -71,6 +77,18 @@ class LLaDA2MoeConfig:
             raise ValueError("biased projections are not supported (LLaDA2 has none)")
         if self.tie_word_embeddings:
             raise ValueError("tied embeddings are not supported (LLaDA2 has an untied lm_head)")
+        if self.expert_capacity:
+            if not self.num_experts_per_tok <= self.expert_capacity <= self.num_experts:
+                raise ValueError(f"expert_capacity={self.expert_capacity} must be in [num_experts_per_tok="
+                                 f"{self.num_experts_per_tok}, num_experts={self.num_experts}]")
+            if not self.block_size or self.block_size < 1:
+                raise ValueError(f"expert_capacity={self.expert_capacity} needs a routing block_size >= 1 "
+                                 f"(got {self.block_size})")
+
+    @property
+    def routing_block_size(self) -> int:
+        """Tokens per routing block when block routing is on, else 0 (per-token routing)."""
+        return int(self.block_size) if self.expert_capacity > 0 else 0
 
     @property
     def rotary_dim(self) -> int:
@@ -90,6 +108,13 @@ class LLaDA2MoeConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         d.update(self.extra)
         return d
+
+
+def check_block_length(c: LLaDA2MoeConfig, block_length: int) -> None:
+    """Block routing needs every forward row to be whole routing blocks (DESIGN §4b)."""
+    if c.routing_block_size and block_length % c.routing_block_size:
+        raise ValueError(f"decoding.block_length={block_length} must be a multiple of the model's routing "
+                         f"block_size={c.routing_block_size} (config.json, expert_capacity={c.expert_capacity})")
 
 
 def check_parallel(c: LLaDA2MoeConfig, tp_size: int, ep_size: int) -> None:
@@ -135,6 +160,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         self.tp_size = dims.tp_size
         self.gate = MoEGate(c.hidden_size, c.num_experts, top_k=c.num_experts_per_tok, n_group=c.n_group,
                             topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+                            expert_capacity=c.expert_capacity, routing_block_size=c.routing_block_size,
                             dtype=dtype, device=device)
         self.experts = StackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype, device,
                                       tp_size=dims.tp_size, ep_size=dims.ep_size, ep_rank=dims.ep_rank)
