@@ -32,6 +32,19 @@ class Accepted:
     edit: torch.Tensor  # [R, bl] token -> proposal (editing decoders)
 
 
+@dataclass
+class DecoderStep:
+    """A decoder's answer for every row of the batch (the caller keeps its own rows'): the block
+    after this forward, how many masks it filled and tokens it edited, whether the block is final,
+    and the decoder's new per-row state."""
+
+    block: torch.Tensor  # [R, bl]
+    filled: torch.Tensor  # [R]
+    edited: torch.Tensor  # [R]
+    final: torch.Tensor  # [R] bool
+    state: dict[str, torch.Tensor]
+
+
 class Decoder:
     """Subclass per decoder; instances are stateless (row state lives in DecodeBatch.state)."""
 
@@ -39,6 +52,16 @@ class Decoder:
     knobs: ClassVar[tuple[str, ...]]  # beyond the sampling knobs every decoder reads
     edits: ClassVar[bool] = False  # rewrites non-mask positions: logits needed on all non-prompt positions
     state: ClassVar[tuple[str, ...]] = ()  # int64 per-row counters, reset when a block is entered
+
+    def step(self, batch: DecodeBatch) -> DecoderStep:
+        """The whole rule for one forward. The default is accept (which masks to fill, which tokens
+        to edit), apply, then the block-final rule; a decoder that moves tokens (levenshtein_joint's
+        DELETE/SPLIT) overrides step itself."""
+        accepted = self.accept(batch)
+        block = torch.where(accepted.fill | accepted.edit, batch.tokens, batch.block)
+        masks_left = ((block == batch.mask_id) & batch.editable).sum(-1)
+        final, state = self.finish(batch, accepted, masks_left)
+        return DecoderStep(block, accepted.fill.sum(-1), accepted.edit.sum(-1), final, state)
 
     def accept(self, batch: DecodeBatch) -> Accepted:
         raise NotImplementedError

@@ -1,7 +1,8 @@
 """One decode step for every decoding row of a forward, on the device, rows of several decoders mixed.
 
 Each decoder present runs on the whole batch and its answer is kept for its own rows (mixed
-batches are rare and [R, bl] work is tiny next to the forward).
+batches are rare and [R, bl] work is tiny next to the forward). Every row belongs to a present
+decoder, so each row's answer is its own decoder's.
 """
 from __future__ import annotations
 
@@ -23,24 +24,17 @@ class DecodeResult:
 
 
 def decode(batch: DecodeBatch, decoder_ids: torch.Tensor, present: list[str]) -> DecodeResult:
-    fill = torch.zeros_like(batch.masked)
-    edit = torch.zeros_like(batch.masked)
-    final = torch.zeros(batch.masked.shape[0], dtype=torch.bool, device=batch.masked.device)
-    state = dict(batch.state)
     index = {name: i for i, name in enumerate(DECODERS)}
-    outcomes = []
+    result = None
     for name in present:
-        decoder = DECODERS[name]
-        rows = (decoder_ids == index[name])[:, None]
-        accepted = decoder.accept(batch)
-        fill |= rows & accepted.fill
-        edit |= rows & accepted.edit
-        outcomes.append((decoder, rows, accepted))
-    block = torch.where(fill | edit, batch.tokens, batch.block)
-    masks_left = ((block == batch.mask_id) & batch.editable).sum(-1)
-    for decoder, rows, accepted in outcomes:
-        row_final, row_state = decoder.finish(batch, accepted, masks_left)
-        final |= rows[:, 0] & row_final
-        for name, value in row_state.items():
-            state[name] = torch.where(rows[:, 0], value, state[name])
-    return DecodeResult(block, fill.sum(-1), edit.sum(-1), final, state)
+        step = DECODERS[name].step(batch)
+        if result is None:  # the first decoder's answer stands for every row until another's replaces it
+            result = DecodeResult(step.block, step.filled, step.edited, step.final, dict(batch.state))
+        rows = decoder_ids == index[name]
+        result.block = torch.where(rows[:, None], step.block, result.block)
+        result.filled = torch.where(rows, step.filled, result.filled)
+        result.edited = torch.where(rows, step.edited, result.edited)
+        result.final = torch.where(rows, step.final, result.final)
+        for key, value in step.state.items():
+            result.state[key] = torch.where(rows, value, result.state[key])
+    return result
