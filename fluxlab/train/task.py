@@ -106,7 +106,7 @@ def problems(seed: int, split: str):
             yield p
 
 
-def test_set(num: int, seed: int = 1234) -> list[Problem]:
+def held_out_set(num: int, seed: int = 1234) -> list[Problem]:
     """`num` held-out problems with distinct arithmetic keys (so each test sum counts once)."""
     seen, out = set(), []
     if num <= 0:

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig  # noqa: E402
 from fluxlab.train.objective import bd_loss  # noqa: E402
-from fluxlab.train.task import Problem, problems, test_set  # noqa: E402
+from fluxlab.train.task import Problem, problems, held_out_set  # noqa: E402
 
 BLOCK_LENGTHS = (16, 32, 64)
 SEQ_LEN = 96  # prompt + reply + EOS padding: every task problem fits (the longest is 66 tokens)
@@ -229,7 +229,7 @@ def train(args) -> dict:
     block_rng = random.Random(args.seed + 1)
     noise_gen = torch.Generator(device=device)
     noise_gen.manual_seed(args.seed + 2)
-    held_out = test_set(args.eval_problems, seed=args.seed + 3)
+    held_out = held_out_set(args.eval_problems, seed=args.seed + 3)
     stop_after = args.stop_after or args.steps
     log_path = out / "loss.jsonl"
     out.mkdir(parents=True, exist_ok=True)
