@@ -26,8 +26,9 @@ def test_the_wheel_carries_configs_and_runs_from_anywhere(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-m", "fluxlab", "bench", "recipe=llada21_mini_speed", "sweep=threshold",
-                          "--cfg", "job", "--resolve"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, "-m", "fluxlab", "bench", "recipe=llada21_mini_speed", "sweep=threshold", "--cfg", "job",
+            "--resolve"]
+    out = subprocess.run(argv, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"path: {site}/fluxlab/assets/arith_test.jsonl" in out.stdout  # the installed copy, not the checkout
     assert "recipe_name: llada21_mini_speed" in out.stdout

@@ -212,7 +212,8 @@ def train(args) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     tokenizer_json, special_ids = train_task_tokenizer(args.seed)
     tok = Tokenizer.from_str(tokenizer_json)
-    if args.init_from and json.loads((Path(args.init_from) / "tokenizer.json").read_text()) != json.loads(tokenizer_json):
+    init_tokenizer = Path(args.init_from or ".") / "tokenizer.json"
+    if args.init_from and json.loads(init_tokenizer.read_text()) != json.loads(tokenizer_json):
         raise ValueError(f"--init-from {args.init_from}: its tokenizer is not the one --seed {args.seed} trains")
     mask_id, eos_id = special_ids["<|mask|>"], special_ids["<|endoftext|>"]
     num_ordinary = min(special_ids.values())  # the learned vocab; specials follow it
