@@ -8,7 +8,8 @@ each step every expert's `expert_bias` moves by BIAS_RATE toward equal load.
 
 Writes a checkpoint folder the engine loads (config.json, model.safetensors in fp32, tokenizer
 files) plus loss.jsonl and train_summary.json. Needs torch, safetensors and tokenizers only.
-Seeded: on CPU the same arguments give the same weights; on CUDA up to its nondeterministic kernels.
+Seeded: the same arguments give the same tokenizer, initial weights, data order and noise; the
+trained weights match up to the device's floating-point nondeterminism (CUDA's atomics).
 """
 from __future__ import annotations
 
