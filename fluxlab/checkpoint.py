@@ -74,7 +74,12 @@ def train_tokenizer(special_ids: dict[str, int] | None = None, vocab_size: int =
 
 
 def _tokenizer_files(special_ids: dict[str, int], max_len: int) -> dict[str, str]:
-    tokenizer_json = train_tokenizer(special_ids)
+    return tokenizer_files(special_ids, max_len, train_tokenizer(special_ids))
+
+
+def tokenizer_files(special_ids: dict[str, int], max_len: int, tokenizer_json: str) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json (chat template, mask/eos) and special_tokens_map.json
+    texts for a tokenizer whose specials are SPECIAL_TOKENS at `special_ids` (also the embedded model's)."""
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                       "special": True} for t, i in special_ids.items()}
     tok_config = {

@@ -24,7 +24,8 @@ class GenerateResult:
 
 class LLM:
     def __init__(self, model: Optional[str] = None, overrides: Sequence[str] = ()):
-        """model: a model group name (tiny_llada2, llada2_mini, ...) or a checkpoint folder."""
+        """model: a model group name (arith_llada2, the default; tiny_llada2, llada2_mini, ...) or a
+        checkpoint folder."""
         items = list(overrides)
         if model is not None:
             if (CONF_DIR / "model" / f"{model}.yaml").exists():

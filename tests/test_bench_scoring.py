@@ -32,3 +32,13 @@ def test_scorer_lookup():
     assert get_scorer(None) is None
     with pytest.raises(ValueError, match="workload.scorer='bleu'"):
         get_scorer("bleu")
+
+
+def test_arith_scorer_wants_the_replys_final_statement():
+    from fluxlab.bench.scoring import get_scorer
+
+    score = get_scorer("arith")
+    assert score("12 + 30 = 42. The answer is 42.", "42")
+    assert not score("12 + 30 = 42. The answer is 41.", "42")
+    assert not score("The answer is 42. 7", "42")  # trailing noise
+    assert not score("12 + 30 = 42.", "42")  # no final statement

@@ -25,8 +25,14 @@ def test_shipped_sample_is_gsm8k_shaped_with_numeric_answers():
         assert final_number(line["metadata"]["answer"]) is not None
 
 
+def test_default_workload_is_every_held_out_prompt_of_the_embedded_task():
+    prompts = load_workload(compose("bench"))
+    assert len(prompts) == 128 and all(p.answer is not None for p in prompts)
+    assert len(load_workload(compose("bench", ["workload=gsm8k_sample"]))) == 32  # every shipped sample
+
+
 def test_jsonl_takes_num_prompts_in_file_order_and_cycles():
-    prompts = load_workload(compose("bench", ["workload.num_prompts=40"]))
+    prompts = load_workload(compose("bench", ["workload=gsm8k_sample", "workload.num_prompts=40"]))
     assert len(prompts) == 40 and [p.index for p in prompts] == list(range(40))
     assert prompts[32].messages == prompts[0].messages  # 32 lines in the sample: cycled
     assert all(p.answer is not None and not p.ignore_eos for p in prompts)

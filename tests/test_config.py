@@ -16,7 +16,7 @@ from fluxlab.config import CONF_DIR, PROJECT_ROOT, ConfigError, compose, validat
 
 GROUPS = ["engine", "model", "scheduler", "attention", "decoding", "parallel", "server"]
 REQUIRED_OPTIONS = {
-    "model": {"tiny_llada2", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"},
+    "model": {"arith_llada2", "tiny_llada2", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"},
     "scheduler": {"paged", "dynamic"},
     "attention": {"sdpa", "flashinfer", "fa4"},
     "decoding": {"threshold", "hierarchy", "joint_threshold", "joint_threshold_speed"},

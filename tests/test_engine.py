@@ -12,7 +12,7 @@ from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.llm import LLM
 
 BL = 16  # small blocks: short generations still cross several blocks
-BASE = ["engine.dtype=float32", "engine.device=cpu", f"decoding.block_length={BL}", "model.max_model_len=512",
+BASE = ["model=tiny_llada2", "engine.dtype=float32", "engine.device=cpu", f"decoding.block_length={BL}", "model.max_model_len=512",
         "scheduler.max_num_seqs=6", "scheduler.max_scheduled_tokens=256"]
 
 

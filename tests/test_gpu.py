@@ -57,7 +57,7 @@ def test_flashinfer_matches_sdpa_on_random_paged_inputs():
 def _llm(*overrides):
     from fluxlab.llm import LLM
 
-    return LLM(overrides=["engine.device=cuda", "decoding.block_length=32", "model.max_model_len=512",
+    return LLM(overrides=["model=tiny_llada2", "engine.device=cuda", "decoding.block_length=32", "model.max_model_len=512",
                           "scheduler.max_num_seqs=8", "scheduler.max_scheduled_tokens=512", *overrides])
 
 

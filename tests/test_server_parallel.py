@@ -9,7 +9,7 @@ import httpx
 
 from server_helpers import ServerProcess, wait_until
 
-OVERRIDES = ["parallel=tp2_ep2", "engine.device=cpu", "engine.dtype=float32", "decoding.block_length=16",
+OVERRIDES = ["model=tiny_llada2", "parallel=tp2_ep2", "engine.device=cpu", "engine.dtype=float32", "decoding.block_length=16",
              "model.max_model_len=256", "server.host=127.0.0.1", "server.port=0"]
 
 

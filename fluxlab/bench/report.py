@@ -74,8 +74,9 @@ def swept_keys(runs: pd.DataFrame, parent: Optional[pd.Series]) -> list[str]:
 
 
 def _axis(runs: pd.DataFrame, key: Optional[str]) -> pd.Series:
-    if key is None:
-        return pd.Series(range(len(runs)), index=runs.index, name="run")
+    if key is None:  # nothing swept (a single run): each run's name, a categorical axis
+        names = runs["tags.mlflow.runName"] if "tags.mlflow.runName" in runs else pd.Series(index=runs.index)
+        return names.fillna(runs["run_id"].str[:8]).astype(str).rename("run")
     raw = runs[f"params.{key}"]
     numeric = pd.to_numeric(raw, errors="coerce")
     if numeric.notna().sum() == raw.notna().sum():  # runs without the key (a mixed experiment) stay NaN

@@ -1,4 +1,4 @@
-"""GSM8K scoring: the final number of the answer against the reference (the usual final-number match).
+"""Scorers: GSM8K (the usual final-number match) and arith (the embedded model's task, strict).
 
 The model's final number is the one after `####` or "answer is" when it says so, else the last
 number in the text; the reference may be a bare number or a full GSM8K solution ending in `#### N`.
@@ -35,7 +35,17 @@ def gsm8k_correct(text: str, reference: str) -> bool:
     return predicted is not None and expected is not None and abs(predicted - expected) < 1e-6
 
 
-SCORERS: dict[str, Callable[[str, str], bool]] = {"gsm8k": gsm8k_correct}
+_ARITH_ANSWER = re.compile(r"The answer is (\d+)\.$")
+
+
+def arith_correct(text: str, reference: str) -> bool:
+    """The embedded task (fluxlab/train/task.py): the reply must *end* with "The answer is N." and N
+    must equal the reference; a right number anywhere else, or trailing noise, scores wrong."""
+    match = _ARITH_ANSWER.search(text.strip())
+    return match is not None and int(match.group(1)) == int(reference)
+
+
+SCORERS: dict[str, Callable[[str, str], bool]] = {"gsm8k": gsm8k_correct, "arith": arith_correct}
 
 
 def get_scorer(name: Optional[str]) -> Optional[Callable[[str, str], bool]]:

@@ -40,8 +40,8 @@ def _pick_length(bounds: Sequence[int], rng: random.Random, key: str) -> int:
     raise ValueError(f"workload.{key}={list(bounds)}: use [fixed] or [low, high] with 1 <= low <= high")
 
 
-def load_jsonl(path: Path, num_prompts: int, max_tokens: Optional[int]) -> list[BenchPrompt]:
-    """The first `num_prompts` lines (cycled when the file is shorter), in file order.
+def load_jsonl(path: Path, num_prompts: Optional[int], max_tokens: Optional[int]) -> list[BenchPrompt]:
+    """The first `num_prompts` lines (cycled when the file is shorter; None: every line), in file order.
 
     File order (no shuffle) keeps the prompts of two runs identical whatever their seeds.
     `max_tokens` replaces each line's own max_tokens (the dataset's 2048 is far too long for smoke runs).
@@ -52,7 +52,7 @@ def load_jsonl(path: Path, num_prompts: int, max_tokens: Optional[int]) -> list[
     if not lines:
         raise ValueError(f"workload.path={path}: no prompts in the file")
     prompts = []
-    for index in range(num_prompts):
+    for index in range(len(lines) if num_prompts is None else num_prompts):
         item = lines[index % len(lines)]
         if not isinstance(item.get("messages"), list):
             raise ValueError(f"workload.path={path} line {index % len(lines) + 1}: needs a 'messages' list")
@@ -87,8 +87,8 @@ def load_workload(cfg: DictConfig, tokenizer: Any = None) -> list[BenchPrompt]:
     generation length) instead of the file's own value.
     """
     wl = cfg.workload
-    if wl.num_prompts < 1:
-        raise ValueError(f"workload.num_prompts={wl.num_prompts} must be >= 1")
+    if wl.num_prompts is not None and wl.num_prompts < 1:
+        raise ValueError(f"workload.num_prompts={wl.num_prompts} must be >= 1 (or null: every prompt of the file)")
     if wl.kind == "jsonl":
         path = Path(wl.path) if wl.path else sample_jsonl_path()
         max_tokens = wl.max_tokens if wl.max_tokens is not None else cfg.model.max_new_tokens
@@ -96,6 +96,8 @@ def load_workload(cfg: DictConfig, tokenizer: Any = None) -> list[BenchPrompt]:
     if wl.kind == "random":
         if tokenizer is None:
             raise ValueError("workload.kind=random needs the model's tokenizer")
+        if wl.num_prompts is None:
+            raise ValueError("workload.kind=random needs workload.num_prompts (a number)")
         output_len = [wl.max_tokens] if wl.max_tokens is not None else list(wl.output_len)
         return random_prompts(tokenizer, wl.num_prompts, wl.seed, list(wl.input_len), output_len)
     raise ValueError(f"workload.kind={wl.kind!r}: use jsonl or random")

@@ -114,12 +114,12 @@ class WorkloadConfig:
     name: str = "gsm8k_sample"
     kind: str = "jsonl"  # jsonl | random
     path: Optional[str] = None  # jsonl: file of {"messages": [...], "max_tokens"}; null -> the shipped sample
-    num_prompts: int = 16
+    num_prompts: Optional[int] = None  # null -> every prompt of the file (jsonl); random needs a number
     seed: int = 0
     max_tokens: Optional[int] = None  # override each request's max_tokens (null -> model.max_new_tokens)
     input_len: List[int] = field(default_factory=lambda: [128])  # random: [fixed] or [low, high]
     output_len: List[int] = field(default_factory=lambda: [128])
-    scorer: Optional[str] = None  # gsm8k: final-number match against metadata.answer
+    scorer: Optional[str] = None  # gsm8k: final-number match; arith: the embedded task (strict)
 
 
 @dataclass
@@ -152,7 +152,7 @@ class ServeConfig(RunConfig):
 
 @dataclass
 class GenerateConfig(RunConfig):
-    prompt: str = "What is 12 + 30? Answer briefly."
+    prompt: str = "What is 12 + 30?"  # the embedded model's task (fluxlab/train/task.py)
     chat: bool = True  # apply the tokenizer's chat template
 
 
@@ -195,6 +195,9 @@ COMMAND_SCHEMAS: dict[str, Any] = {
 
 def register_configs() -> None:
     """Each primary config starts from `<command>_schema`, so every group merged onto it is type-checked."""
+    from fluxlab.config.compose import register_resolvers
+
+    register_resolvers()
     cs = ConfigStore.instance()
     for command, schema in COMMAND_SCHEMAS.items():
         cs.store(name=f"{command}_schema", node=schema)

@@ -1,0 +1,3 @@
+from fluxlab.train.train import main
+
+main()
