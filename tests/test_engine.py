@@ -55,6 +55,7 @@ def check_parity(llm: LLM, batch: list[list[int]], params: list[SamplingParams])
         assert got.token_ids == want.token_ids, (len(prompt), p)
         assert got.finish_reason == want.finish_reason
         assert got.stats.forwards == want.forwards
+        assert got.stats.tokens_edited == want.edits  # token -> token edits, counted as the reference does
     assert llm.engine.kv_free_pages == llm.engine.kv_total_pages
     assert not llm.engine.has_unfinished()
     return results

@@ -142,13 +142,15 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--reference", action="store_true", help="also time the reference generate at batch 1")
     ap.add_argument("--moe-backend", default=None)
+    ap.add_argument("--decoding", default=None, help="a decoding group (joint_threshold, levenshtein_joint, ...)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of decode steps")
     ap.add_argument("--parallel", default=None, help="a parallel group (tp2_ep2, tp4_ep4): one engine per variant")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_bs = max(sizes)
-    overrides = [f"model={args.preset}", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
+    overrides = ([f"decoding={args.decoding}"] if args.decoding else []) + [
+                 f"model={args.preset}", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
                  f"decoding.block_length={args.block}", f"decoding.steps={args.steps}", "attention=sdpa",
                  f"scheduler.max_num_seqs={max_bs}", f"scheduler.max_scheduled_tokens={max_bs * args.block * 2}",
                  "model.max_model_len=1024"]

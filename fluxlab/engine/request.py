@@ -88,6 +88,7 @@ class RequestStats:
     finish_time: Optional[float] = None
     forwards: int = 0  # forwards that computed this request's active block
     tokens_accepted: int = 0  # mask -> token transfers (edits not counted)
+    tokens_edited: int = 0  # token -> token edits (editing decoders)
     blocks_committed: int = 0
     preemptions: int = 0
 

@@ -134,6 +134,7 @@ class Scheduler:
             request.tokens[start:end] = out.blocks[i]
             request.stats.forwards += 1
             request.stats.tokens_accepted += int(out.filled[i])
+            request.stats.tokens_edited += int(out.edited[i])
             request.forwards_in_block += 1
             request.decoder_state = {name: int(values[i]) for name, values in out.state.items()}
             if not out.final[i]:
