@@ -39,6 +39,13 @@ from fluxlab.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
 
 log = logging.getLogger("fluxlab.server")
 
+# One server-sent event (OpenAPI 3.1: the schema of text/event-stream describes each event):
+# `data` is a JSON chunk, an error object, or the terminator `[DONE]`.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"}, "event": {"type": "string"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
+
 # How often a handler waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -213,7 +220,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=guarded, responses={
         200: {"model": CompletionResponse, "description": "A completion, or with `stream: true` its chunks as SSE",
-              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **api_errors})
+              "content": _SSE}, **api_errors})
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompt_ids = await prompts.completion_ids(body.prompt)
@@ -241,7 +248,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=guarded, responses={
         200: {"model": ChatCompletionResponse, "description": "A chat completion, or with `stream: true` its chunks "
-              "as SSE", "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **api_errors})
+              "as SSE", "content": _SSE}, **api_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         prompt_ids = await prompts.chat_ids(body)
