@@ -130,6 +130,11 @@ def test_literal_mask_text_in_a_prompt_is_served(client):
 def test_models_health_server_info(server):
     models = openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == [MODEL]
+    from fluxlab.checkpoint import ensure_tiny_checkpoint
+
+    card = models.data[0].model_extra
+    assert card["max_model_len"] == 256
+    assert card["root"] == str(ensure_tiny_checkpoint().resolve())  # the folder the weights came from
     assert server.get("/health").status_code == 200
     info = server.get("/server_info").json()
     assert info["config"]["engine"]["dtype"] == "float32"

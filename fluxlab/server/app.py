@@ -39,6 +39,9 @@ from fluxlab.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
 
 log = logging.getLogger("fluxlab.server")
 
+# What sglang-router puts in `model` when a chat request has none.
+_ROUTER_NO_MODEL = "unknown"
+
 # One server-sent event (OpenAPI 3.1: the schema of text/event-stream describes each event):
 # `data` is a JSON chunk, an error object, or the terminator `[DONE]`.
 _SSE = {"text/event-stream": {"schema": {
@@ -59,6 +62,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     tokenizer = async_engine.tokenizer
     prompts = PromptEncoder(tokenizer, async_engine.max_model_len, cfg.server.parse_special_tokens_in_chat)
     created = int(time.time())
+    root = _model_root(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +111,8 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     # ------------------------------------------------------------------ helpers
 
     def check_model(model: Optional[str]) -> None:
+        if model == _ROUTER_NO_MODEL and cfg.server.behind_router:
+            return  # sglang-router fills a chat request without `model` with this name
         if model is not None and model not in model_names:
             raise ServerError(404, f"the model {model!r} does not exist; this server serves {served_name!r}",
                               param="model", code="model_not_found")
@@ -283,7 +289,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": served_name, "object": "model", "created": created, "owned_by": "fluxlab",
-            "root": cfg.model.path or cfg.model.name, "max_model_len": async_engine.max_model_len}]}
+            "root": root, "max_model_len": async_engine.max_model_len}]}
 
     # ------------------------------------------------------------------ operations
 
@@ -329,6 +335,18 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                 "kv_total_pages": async_engine.snapshot.kv_total_pages, "config": config}
 
     return app
+
+
+def _model_root(cfg: DictConfig) -> str:
+    """vLLM's `root`: the local folder the weights and tokenizer came from (the embedded model's
+    cache folder too); the configured path or name for random weights without files."""
+    from fluxlab.engine.llm_engine import resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(cfg.model)
+    except ValueError:
+        model_dir = None
+    return str(model_dir.resolve()) if model_dir is not None else (cfg.model.path or cfg.model.name)
 
 
 class _ClientWatch:
