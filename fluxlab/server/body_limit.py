@@ -2,7 +2,9 @@
 
 A pure ASGI wrapper, not a BaseHTTPMiddleware (that one hides client disconnects from handlers).
 A declared Content-Length over the limit is refused without reading a byte; a chunked body is
-counted as it arrives and refused as soon as it passes the limit.
+counted as it arrives and refused as soon as it passes the limit. Not FastAPI's `max_body_size`
+(Starlette's RequestBodyLimitMiddleware): for a declared length it replaces whatever the app
+answers with a plain-text "Content Too Large", and every error here has the OpenAI JSON shape.
 """
 from __future__ import annotations
 
