@@ -32,8 +32,10 @@ class ServerProcess:
         self.log_path = log_dir / f"{name}.stderr.log"
         self._stderr = open(self.log_path, "wb")
         argv = [sys.executable, "-m", "fluxlab", "serve", *overrides, f"hydra.run.dir={log_dir / name}"]
+        # Its own session, so kill() also ends the replicas and router of a dp server whose test failed.
         self.proc = subprocess.Popen(argv, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     stdin=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})})
+                                     stdin=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         self.stdout_lines: list[str] = []
         self._ready: queue.Queue = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
@@ -78,6 +80,10 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever it started and left behind
+        except (ProcessLookupError, PermissionError):
+            pass
         self._stderr.close()
 
 
