@@ -32,8 +32,10 @@ class ServerProcess:
         self.log_path = log_dir / f"{name}.stderr.log"
         self._stderr = open(self.log_path, "wb")
         argv = [sys.executable, "-m", "fluxlab", "serve", *overrides, f"hydra.run.dir={log_dir / name}"]
+        # Its own session, so kill() also ends the replicas and router of a dp server whose test failed.
         self.proc = subprocess.Popen(argv, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     stdin=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})})
+                                     stdin=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         self.stdout_lines: list[str] = []
         self._ready: queue.Queue = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
@@ -78,6 +80,10 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever it started and left behind
+        except (ProcessLookupError, PermissionError):
+            pass
         self._stderr.close()
 
 
@@ -100,3 +106,67 @@ def metric_value(metrics_text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+class FakeEngine:
+    """An engine stand-in for in-process app tests: commits `ids_per_step` copies of a fixed token
+    per step; a prompt holding `fail_token` makes the step raise (a broken device step)."""
+
+    def __init__(self, tokenizer, max_model_len: int = 256, ids_per_step: int = 4, fail_token: int = -1):
+        from fluxlab.engine.request import RequestOutput, RequestStats  # noqa: F401
+
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.ids_per_step, self.fail_token = ids_per_step, fail_token
+        self.token = tokenizer.encode("a", add_special_tokens=False)[0]
+        self.requests: dict[str, dict] = {}
+        self.pending: list = []
+        self.num_waiting = self.num_running = 0
+        self.kv_free_pages = self.kv_total_pages = 8
+        self.total_forwards = self.total_generated_tokens = 0
+        self.total_step_seconds = 0.0
+
+    def add_request(self, prompt_ids, params, request_id):
+        self.requests[request_id] = {"prompt": prompt_ids, "out": [], "max": params.max_new_tokens or 8}
+
+    def abort_request(self, request_id):
+        from fluxlab.engine.request import RequestOutput, RequestStats
+
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.pending.append(RequestOutput(request_id, [], request["out"], True, "abort", RequestStats()))
+
+    def has_unfinished(self):
+        return bool(self.requests or self.pending)
+
+    def step(self):
+        from fluxlab.engine.request import RequestOutput, RequestStats
+
+        outputs, self.pending = self.pending, []
+        if any(self.fail_token in r["prompt"] for r in self.requests.values()):
+            raise RuntimeError("device step failed")
+        for request_id, request in list(self.requests.items()):
+            new = [self.token] * min(self.ids_per_step, request["max"] - len(request["out"]))
+            request["out"] = request["out"] + new
+            done = len(request["out"]) >= request["max"]
+            if done:
+                del self.requests[request_id]
+            outputs.append(RequestOutput(request_id, new, list(request["out"]), done, "length" if done else None,
+                                         RequestStats()))
+        self.total_forwards += 1
+        return outputs
+
+    def shutdown(self):
+        self.requests.clear()
+
+
+def fake_app(overrides: list[str] = (), **engine_kwargs):
+    """The real app around a FakeEngine, for httpx.ASGITransport (start the engine loop yourself)."""
+    from fluxlab.config import compose, validate_config
+    from fluxlab.engine.llm_engine import load_tokenizer
+    from fluxlab.server.app import build_app
+    from fluxlab.server.async_engine import AsyncEngine
+
+    cfg = compose("serve", TINY + list(overrides))
+    validate_config(cfg, cuda_available=False)
+    async_engine = AsyncEngine(FakeEngine(load_tokenizer(None), **engine_kwargs), cfg.server.max_waiting_requests)
+    return build_app(cfg, async_engine), async_engine

@@ -130,6 +130,11 @@ def test_literal_mask_text_in_a_prompt_is_served(client):
 def test_models_health_server_info(server):
     models = openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == [MODEL]
+    from fluxlab.checkpoint import ensure_tiny_checkpoint
+
+    card = models.data[0].model_extra
+    assert card["max_model_len"] == 256
+    assert card["root"] == str(ensure_tiny_checkpoint().resolve())  # the folder the weights came from
     assert server.get("/health").status_code == 200
     info = server.get("/server_info").json()
     assert info["config"]["engine"]["dtype"] == "float32"
@@ -314,6 +319,10 @@ def test_api_key_overload_and_sigterm(tmp_path):
         assert_openai_error(server.post("/v1/completions", json=GOOD), 401)
         assert_openai_error(server.post("/v1/completions", json=GOOD, headers={"Authorization": "Bearer no"}), 401)
         assert server.get("/health").status_code == 200
+        # everything else needs the key too, the operations endpoints included (DESIGN §12)
+        for path in ("/metrics", "/server_info", "/get_load", "/v1/models", "/get_model_info"):
+            assert_openai_error(server.get(path), 401)
+            assert server.get(path, headers={"Authorization": f"Bearer {key}"}).status_code == 200, path
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -37,23 +37,32 @@ def router_pid(server: ServerProcess) -> int:
 
 
 def test_dp2_behind_the_router_answers_and_both_replicas_serve(tmp_path):
-    server = ServerProcess(TINY + ["parallel=dp2"], tmp_path, start_timeout_s=240)
+    key = "k3y"
+    server = ServerProcess(TINY + ["parallel=dp2", f"server.api_key={key}"], tmp_path, start_timeout_s=240)
+    auth = {"Authorization": f"Bearer {key}"}
     try:
         workers = replicas(server)
         assert sorted(workers) == [0, 1]
         assert [line for line in server.stdout_lines if line.startswith("fluxlab ready: ")] == [f"fluxlab ready: {server.url}\n"]
 
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                               extra_body={"ignore_eos": True})
         assert chat.usage.completion_tokens == 8
+        # as with one replica, a chat request may leave `model` out (the router fills in a placeholder)
+        no_model = server.post("/v1/chat/completions", headers=auth,
+                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert no_model.status_code == 200, no_model.text
+        # the key reaches the replicas through the router and is required there
+        assert server.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+                           ).status_code == 401
         chunks = list(client.completions.create(model=MODEL, prompt="stream me", max_tokens=16, stream=True,
                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
         assert chunks[-1].usage.completion_tokens == 16
 
         # Concurrent requests with distinct prefixes: cache_aware spreads them over idle replicas.
         async def burst():
-            aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
             try:
                 return await asyncio.gather(*(
                     aclient.completions.create(model=MODEL, prompt=f"{chr(65 + i) * 3} prompt {i}", max_tokens=32,
@@ -63,10 +72,12 @@ def test_dp2_behind_the_router_answers_and_both_replicas_serve(tmp_path):
                 await aclient.close()
 
         assert [r.usage.completion_tokens for r in asyncio.run(burst())] == [32] * 12
-        served = {i: metric_value(httpx.get(url + "/metrics", timeout=10).text, "fluxlab:request_success_total")
-                  for i, (url, _) in workers.items()}
+        served = {i: metric_value(httpx.get(url + "/metrics", timeout=10, headers=auth).text,
+                                  "fluxlab:request_success_total") for i, (url, _) in workers.items()}
         assert all(count > 0 for count in served.values()), served
-        assert sum(served.values()) == 14
+        assert sum(served.values()) == 15
+        # the router's log is forwarded without its colour codes
+        assert "sglang-router" in server.log() and "\x1b[" not in server.log()
 
         assert server.stop(signal.SIGTERM) == 0
         pids = [pid for _, pid in workers.values()] + [router_pid(server)]

@@ -92,6 +92,9 @@ class ServerConfig:
     worker_urls: List[str] = field(default_factory=list)  # dp: extra replicas on other hosts
     router_policy: str = "cache_aware"
     health_timeout_s: float = 600.0
+    max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies are a 413 before parsing; <= 0: no limit
+    parse_special_tokens_in_chat: bool = False  # true: special-token text in chat content becomes special tokens
+    behind_router: bool = False  # set by serve for its dp replicas: the router's placeholder model means "none"
 
 
 @dataclass

@@ -25,7 +25,7 @@ class StopStrings:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer)
         detok = request.detokenizer
         seen = len(detok.text)
-        detok.append(request.output_ids[detok.num_tokens:])
+        detok.append(request.output_ids[len(detok.token_ids):])
         text = detok.text
         longest = max(len(s) for s in request.params.stop)
         search_from = max(0, seen - longest + 1)
@@ -44,6 +44,7 @@ class StopStrings:
 
     def final_text(self, request: Request) -> str:
         detok = request.detokenizer
-        if detok is not None and detok.num_tokens == len(request.output_ids):
+        if detok is not None and detok.token_ids == request.output_ids:
+            detok.finish()  # flush an unfinished character, as the full decode has it
             return detok.text
         return self._decode(request.output_ids)

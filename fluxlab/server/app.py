@@ -27,13 +27,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fluxlab.engine.chat import encode_chat, encode_text
 from fluxlab.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from fluxlab.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from fluxlab.server.body_limit import BodySizeLimit
 from fluxlab.server.metrics import ServerMetrics
-from fluxlab.server.protocol import ChatCompletionRequest, CompletionRequest, ServerError, error_body
+from fluxlab.server.openapi import error_responses, install_openapi
+from fluxlab.server.output_text import StreamText, final_text
+from fluxlab.server.prompts import PromptEncoder
+from fluxlab.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                     CompletionResponse, ModelList, ServerError, error_body)
 
 log = logging.getLogger("fluxlab.server")
+
+# What sglang-router puts in `model` when a chat request has none.
+_ROUTER_NO_MODEL = "unknown"
+
+# One server-sent event (OpenAPI 3.1: the schema of text/event-stream describes each event):
+# `data` is a JSON chunk, an error object, or the terminator `[DONE]`.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"}, "event": {"type": "string"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 
 # How often a handler waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
@@ -46,44 +60,59 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     api_key: Optional[str] = cfg.server.api_key
     metrics = ServerMetrics(async_engine, served_name)
     tokenizer = async_engine.tokenizer
+    prompts = PromptEncoder(tokenizer, async_engine.max_model_len, cfg.server.parse_special_tokens_in_chat)
     created = int(time.time())
+    root = _model_root(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        prompts.shutdown()
 
     app = FastAPI(title="fluxlab", lifespan=lifespan)
     app.state.async_engine, app.state.metrics = async_engine, metrics
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.server.max_request_body_bytes)
+    install_openapi(app)
 
     # ------------------------------------------------------------------ errors (OpenAI shape)
 
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, err: ServerError) -> JSONResponse:
+        metrics.observe_rejected(err.status)
         return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(err)
+        metrics.observe_rejected(400)
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(err.detail), kind), status_code=err.status_code)
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        metrics.observe_rejected(err.status_code)
+        # err.headers carries a 405's `Allow`
+        return JSONResponse(error_body(str(err.detail), kind, None, code), status_code=err.status_code,
+                            headers=err.headers)
 
     async def require_key(request: Request) -> None:
         # A dependency, not a BaseHTTPMiddleware: that wrapper hides client disconnects from the
-        # handler. Only the API is guarded: routers and Prometheus probe /health and /metrics keyless.
+        # handler. Everything but /health needs the key (DESIGN §12); a router or Prometheus
+        # scraper is given the key (sglang-router: --api-key).
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise ServerError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
 
     guarded = [Depends(require_key)]
+    api_errors = error_responses(400, 401, 404, 413, 503)
 
     # ------------------------------------------------------------------ helpers
 
     def check_model(model: Optional[str]) -> None:
+        if model == _ROUTER_NO_MODEL and cfg.server.behind_router:
+            return  # sglang-router fills a chat request without `model` with this name
         if model is not None and model not in model_names:
             raise ServerError(404, f"the model {model!r} does not exist; this server serves {served_name!r}",
                               param="model", code="model_not_found")
@@ -117,12 +146,19 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         watch = _ClientWatch(request)
 
         def finish(last: RequestOutput, first_time: float) -> dict:
-            metrics.observe_finished(first_time - arrival, time.perf_counter() - arrival,
-                                     last.stats.tokens_per_forward, last.finish_reason or "abort", len(prompt_ids))
+            if last.finish_reason == "abort":  # the server shut down under it
+                metrics.observe_aborted("shutdown")
+            else:
+                metrics.observe_finished(first_time - arrival, time.perf_counter() - arrival,
+                                         last.stats.tokens_per_forward, last.finish_reason, len(prompt_ids))
             return _usage(len(prompt_ids), last)
 
+        def client_gone() -> None:
+            async_engine.abort(request_id)
+            metrics.observe_aborted("client_disconnected")
+
         async def stream() -> AsyncIterator[str]:
-            detok, first_time, done = _Detokenizer(tokenizer), None, False
+            text, first_time, done = StreamText(tokenizer, params.stop), None, False
             try:
                 first = make_chunk(None, None, None, include_usage, first=True)
                 if first is not None:
@@ -133,10 +169,11 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                         return  # client gone: `finally` aborts
                     if isinstance(item, BaseException):
                         done = True
+                        metrics.observe_failed()
                         yield _sse(error_body(str(item), "server_error", None, "engine_error"))
                         break
                     first_time = first_time or time.perf_counter()
-                    delta = detok.delta(item)
+                    delta = await prompts.run(text.delta, item)
                     # A client that asked for token ids gets every committed block, also one whose
                     # text is still empty (a partial character, or special tokens).
                     if delta or item.finished or (body.return_token_ids and item.new_token_ids):
@@ -151,7 +188,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                 yield "data: [DONE]\n\n"
             finally:
                 if not done:
-                    async_engine.abort(request_id)
+                    client_gone()
 
         if body.stream:
             return StreamingResponse(stream(), media_type="text/event-stream",
@@ -165,16 +202,17 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                     return Response(status_code=499)  # nobody reads it; `finally` aborts
                 if isinstance(item, BaseException):
                     done = True
-                    raise ServerError(500, str(item), type="server_error", code="engine_error")
+                    metrics.observe_failed()
+                    return JSONResponse(error_body(str(item), "server_error", None, "engine_error"), status_code=500)
                 first_time = first_time or time.perf_counter()
                 if item.finished:
                     done = True
                     usage = finish(item, first_time)
-                    text = _Detokenizer(tokenizer).delta(item)
+                    text = item.text if item.text is not None else await prompts.run(final_text, tokenizer, item)
                     return JSONResponse(make_response(text, item, usage))
         finally:
             if not done:  # also when this handler is cancelled
-                async_engine.abort(request_id)
+                client_gone()
 
     def _max_tokens(asked: Optional[int], prompt_ids: list[int]) -> Optional[int]:
         # Unset max_tokens means "the default, or whatever room is left" (as vLLM does), not a 400
@@ -186,10 +224,12 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
     # ------------------------------------------------------------------ OpenAI endpoints
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=guarded, responses={
+        200: {"model": CompletionResponse, "description": "A completion, or with `stream: true` its chunks as SSE",
+              "content": _SSE}, **api_errors})
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompt_ids = _prompt_ids(tokenizer, body.prompt)
+        prompt_ids = await prompts.completion_ids(body.prompt)
         params = body.sampling_params(_max_tokens(body.max_tokens, prompt_ids))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
@@ -212,10 +252,12 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
         return await run(request_id, prompt_ids, params, body, request, chunk, response)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=guarded, responses={
+        200: {"model": ChatCompletionResponse, "description": "A chat completion, or with `stream: true` its chunks "
+              "as SSE", "content": _SSE}, **api_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        prompt_ids = _chat_prompt_ids(tokenizer, body)
+        prompt_ids = await prompts.chat_ids(body)
         params = body.sampling_params(_max_tokens(body.max_completion_tokens or body.max_tokens, prompt_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
@@ -242,25 +284,30 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
         return await run(request_id, prompt_ids, params, body, request, chunk, response)
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", dependencies=guarded, response_model=None,
+             responses={200: {"model": ModelList}, **error_responses(401)})
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": served_name, "object": "model", "created": created, "owned_by": "fluxlab",
-            "root": cfg.model.path or cfg.model.name, "max_model_len": async_engine.max_model_len}]}
+            "root": root, "max_model_len": async_engine.max_model_len}]}
 
     # ------------------------------------------------------------------ operations
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}}},
+                                   503: {"description": "The engine stopped",
+                                         "content": {"application/json": {"schema": {"type": "object"}}}}})
     async def health() -> JSONResponse:
         if async_engine.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "error": async_engine.error}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=guarded, response_class=Response, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/get_load")
+    @app.get("/get_load", dependencies=guarded, responses=error_responses(401))
     async def get_load() -> list[dict]:
         snap, waiting = async_engine.snapshot, async_engine.num_waiting
         page_size = cfg.engine.page_size or cfg.decoding.block_length
@@ -272,14 +319,14 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                  "kv_free_pages": snap.kv_free_pages, "kv_total_pages": snap.kv_total_pages,
                  "total_forwards": snap.total_forwards, "total_generated_tokens": snap.total_generated_tokens}]
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @app.get("/model_info", dependencies=guarded, responses=error_responses(401))
+    @app.get("/get_model_info", dependencies=guarded, responses=error_responses(401))
     async def model_info() -> dict:
         # sglang-router asks for this when it registers a worker. No model_path on purpose: the
         # router would try to load a tokenizer from it, which HTTP routing does not need.
         return {"served_model_name": served_name, "is_generation": True, "max_model_len": async_engine.max_model_len}
 
-    @app.get("/server_info")
+    @app.get("/server_info", dependencies=guarded, responses=error_responses(401))
     async def server_info() -> dict:
         config = OmegaConf.to_container(cfg, resolve=True)
         if config.get("server", {}).get("api_key"):
@@ -290,41 +337,16 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     return app
 
 
-# ---------------------------------------------------------------------- tokenization
+def _model_root(cfg: DictConfig) -> str:
+    """vLLM's `root`: the local folder the weights and tokenizer came from (the embedded model's
+    cache folder too); the configured path or name for random weights without files."""
+    from fluxlab.engine.llm_engine import resolve_model_dir
 
-def _check_text(text: str, param: str) -> str:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ServerError(400, f"{param} is not valid UTF-8 (lone surrogate)", param=param)
-    return text
-
-
-def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    if isinstance(prompt, str):
-        # Special tokens are parsed (a pre-templated prompt keeps its role markers); a literal
-        # `<|mask|>` becomes a prompt token, which the engine never decodes over (prompt is fixed).
-        ids = encode_text(tokenizer, _check_text(prompt, "prompt"))
-    else:
-        vocab = len(tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ServerError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab})", param="prompt")
-        ids = list(prompt)
-    if not ids:
-        raise ServerError(400, "prompt is empty", param="prompt")
-    return ids
-
-
-def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": _check_text(m.text(), "messages")} for m in body.messages]
-    try:
-        ids = encode_chat(tokenizer, messages)
-    except Exception as err:  # noqa: BLE001 - a template refusing these messages is a client error
-        raise ServerError(400, f"the chat template rejected these messages: {err}", param="messages")
-    if not ids:
-        raise ServerError(400, "messages give an empty prompt", param="messages")
-    return ids
+        model_dir = resolve_model_dir(cfg.model)
+    except ValueError:
+        model_dir = None
+    return str(model_dir.resolve()) if model_dir is not None else (cfg.model.path or cfg.model.name)
 
 
 class _ClientWatch:
@@ -339,30 +361,6 @@ class _ClientWatch:
             return False
         self.last_check = now
         return await self.request.is_disconnected()
-
-
-class _Detokenizer:
-    """Text deltas for streaming: decode everything so far, hold back an unfinished UTF-8 character."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer, self.sent = tokenizer, ""
-
-    def delta(self, output: RequestOutput) -> str:
-        if output.finished and output.text is not None:
-            full = output.text  # the engine's own cut (stop strings)
-        else:
-            full = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-            if not output.finished:
-                full = full.rstrip("\ufffd")  # a byte-level BPE token split a character across blocks
-        if full.startswith(self.sent):
-            delta = full[len(self.sent):]
-        else:  # cannot happen with prefix-stable decoding; send the unseen tail
-            common = 0
-            while common < min(len(full), len(self.sent)) and full[common] == self.sent[common]:
-                common += 1
-            delta = full[common:]
-        self.sent = full
-        return delta
 
 
 # ---------------------------------------------------------------------- response pieces
@@ -393,7 +391,8 @@ def _describe_validation(err: RequestValidationError) -> tuple[str, Optional[str
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # pydantic names the union member that failed ("constrained-str", "list[int]"): not a field
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     if first.get("type") == "json_invalid" or first.get("type") == "model_attributes_type":
         return f"the body is not a valid JSON object: {first.get('msg')}", None
     if first.get("type") == "missing" and not loc:
@@ -402,3 +401,7 @@ def _describe_validation(err: RequestValidationError) -> tuple[str, Optional[str
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = ".".join(loc)
     return (f"{where}: {msg}" if where and not msg.startswith(where) else msg), param
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and any(c in part for c in "[-")

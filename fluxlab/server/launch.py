@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,8 @@ log = logging.getLogger("fluxlab.server")
 
 READY_PREFIX = "fluxlab ready: "
 _STOP_GRACE_S = 15.0
+# sglang-router colours its console log and has no option against it; serve's log stays plain text.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def serve(cfg: DictConfig) -> None:
@@ -123,6 +126,7 @@ class _Child:
 
     def _forward(self) -> None:
         for line in self.proc.stdout:
+            line = _ANSI_ESCAPE.sub("", line)
             if line.startswith(READY_PREFIX):
                 self.ready_url.put(line[len(READY_PREFIX):].strip())
             sys.stderr.write(f"[{self.name}] {line}")
@@ -159,10 +163,7 @@ def _serve_router(cfg: DictConfig) -> int:
         urls += list(cfg.server.worker_urls)
 
         port = cfg.server.port or _free_port()
-        router_argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-                       "--policy", cfg.server.router_policy, "--host", cfg.server.host, "--port", str(port),
-                       "--log-level", "info" if cfg.server.log_level == "debug" else "warn"]
-        children.append(_Child("router", router_argv, dict(os.environ)))
+        children.append(_Child("router", _router_argv(cfg, urls, port), dict(os.environ)))
         print(f"fluxlab: started sglang-router (pid {children[-1].proc.pid}) on port {port}", file=sys.stderr, flush=True)
         router_url = f"http://{_connect_host(cfg.server.host)}:{port}"
         if not _wait_router(children[-1], router_url, len(children) - 1, cfg.server.health_timeout_s, stopping):
@@ -179,6 +180,21 @@ def _serve_router(cfg: DictConfig) -> int:
         return 0
     finally:
         _stop_all(children)
+
+
+def _router_argv(cfg: DictConfig, worker_urls: list[str], port: int) -> list[str]:
+    """sglang-router with the server keys it has options for."""
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--policy", cfg.server.router_policy, "--host", cfg.server.host, "--port", str(port),
+            "--log-level", "info" if cfg.server.log_level == "debug" else "warn",
+            # The router's own Prometheus endpoint (its default is 0.0.0.0:29000, which two
+            # routers on one host would share); the replicas' fluxlab metrics are at /engine_metrics.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+    if cfg.server.max_request_body_bytes > 0:
+        argv += ["--max-payload-size", str(cfg.server.max_request_body_bytes)]
+    if cfg.server.api_key:
+        argv += ["--api-key", cfg.server.api_key]  # the replicas need it on every route but /health
+    return argv
 
 
 def _wait_worker(child: _Child, timeout_s: float, stopping: threading.Event) -> Optional[str]:
@@ -259,7 +275,8 @@ def _stop_all(children: list[_Child]) -> None:
 
 def _worker_overrides(cfg: DictConfig) -> list[str]:
     """The command line's overrides, minus what differs per replica, plus the replica's own."""
-    owned = ("server.port", "server.host", "server.worker_urls", "parallel.dp_size", "hydra.run.dir")
+    owned = ("server.port", "server.host", "server.worker_urls", "parallel.dp_size", "hydra.run.dir",
+             "server.behind_router")
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -267,7 +284,8 @@ def _worker_overrides(cfg: DictConfig) -> list[str]:
     except ValueError:  # not under @hydra.main (called from Python): pin every resolved key instead
         given = _flatten(cfg)
     kept = [o for o in given if o.lstrip("+~").split("=", 1)[0] not in owned]
-    return kept + ["parallel.dp_size=1", "server.port=0", "server.host=127.0.0.1", "server.worker_urls=[]"]
+    return kept + ["parallel.dp_size=1", "server.port=0", "server.host=127.0.0.1", "server.worker_urls=[]",
+                   "server.behind_router=true"]
 
 
 def _run_dir_override(index: int) -> list[str]:

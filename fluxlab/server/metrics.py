@@ -69,8 +69,16 @@ class ServerMetrics:
                                             labels, buckets=TPF_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of accepted requests.",
                                      labels, registry=self.registry)
-        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                       labels + ["finished_reason"], registry=self.registry)
+        self.request_success = Counter(PREFIX + "request_success", "Requests that finished (stop or length), "
+                                       "by finish reason.", labels + ["finished_reason"], registry=self.registry)
+        self.request_aborted = Counter(PREFIX + "request_aborted", "Accepted requests that ended early: the client "
+                                       "went away, or the server shut down.", labels + ["reason"],
+                                       registry=self.registry)
+        self.request_failed = Counter(PREFIX + "request_failed", "Accepted requests that the engine failed "
+                                      "(a server error).", labels, registry=self.registry)
+        self.request_rejected = Counter(PREFIX + "request_rejected", "Requests answered with an error before "
+                                        "they reached the engine, by HTTP status.", labels + ["status"],
+                                        registry=self.registry)
         self.registry.register(_EngineCollector(async_engine, model_name))
 
     def observe_finished(self, ttft_s: float, e2e_s: float, tokens_per_forward: float, finish_reason: str,
@@ -82,6 +90,15 @@ class ServerMetrics:
             self.tokens_per_forward.labels(m).observe(tokens_per_forward)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.request_success.labels(m, finish_reason).inc()
+
+    def observe_aborted(self, reason: str) -> None:
+        self.request_aborted.labels(self.model_name, reason).inc()
+
+    def observe_failed(self) -> None:
+        self.request_failed.labels(self.model_name).inc()
+
+    def observe_rejected(self, status: int) -> None:
+        self.request_rejected.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,286 @@
+"""Soak: a mixed load against `fluxlab serve` on loopback, phase by phase (DESIGN §12).
+
+Each phase runs, for a fixed time and at most a fixed number of requests, a mix of plain and
+streamed completions and chats, streams the client drops after the first chunk, requests the
+client abandons mid-generation, and bad inputs. It checks that every good request completes with
+exactly the tokens it asked for, every bad one is a 4xx, nothing is a 5xx, the KV pages all come
+back once the phase is idle (/get_load), and reports the server's RSS after each phase.
+
+    python -m fluxlab.bench.soak --phases 5 --phase-seconds 120       # starts the default server
+    python -m fluxlab.bench.soak --url http://127.0.0.1:8000 --pid 1234
+
+Only loopback URLs are accepted: this is a load generator.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import httpx
+
+KINDS = ("completion", "chat", "stream", "chat_stream", "disconnect", "abandon", "bad")
+WEIGHTS = (3, 2, 3, 2, 1, 1, 2)
+# Bad inputs and the statuses they must get (anything else, and any 5xx, is a failure).
+BAD = [
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400),
+    ("/v1/completions", {"prompt": "x", "seed": 2**80}, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 3}}, 400),
+    ("/v1/completions", {"prompt": [10**9]}, 400),
+    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404),
+    ("/v1/completions", {"prompt": "ab " * 200_000}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+]
+RAW_BAD = [b"{not json", b"[1, 2]", b'{"prompt": "\\ud800", "max_tokens": 2}']
+
+
+@dataclass
+class PhaseReport:
+    phase: int
+    seconds: float
+    requests: int
+    by_kind: dict
+    statuses: dict
+    failures: list
+    kv_free_pages: int
+    kv_total_pages: int
+    rss_mib: Optional[float]
+
+
+@dataclass
+class SoakReport:
+    phases: list = field(default_factory=list)
+
+    @property
+    def failures(self) -> list:
+        return [f for p in self.phases for f in p.failures]
+
+    @property
+    def server_errors(self) -> int:
+        return sum(n for p in self.phases for s, n in p.statuses.items() if str(s).startswith("5"))
+
+    def table(self) -> str:
+        rows = ["phase  seconds  requests  5xx  failures  free/total pages  rss MiB"]
+        for p in self.phases:
+            fives = sum(n for s, n in p.statuses.items() if str(s).startswith("5"))
+            rss = f"{p.rss_mib:.0f}" if p.rss_mib is not None else "-"
+            rows.append(f"{p.phase:>5}  {p.seconds:>7.1f}  {p.requests:>8}  {fives:>3}  {len(p.failures):>8}  "
+                        f"{p.kv_free_pages:>7}/{p.kv_total_pages:<8}  {rss:>7}")
+        return "\n".join(rows)
+
+
+def rss_mib(pid: Optional[int]) -> Optional[float]:
+    """Resident memory of a process and its children (TP ranks, replicas), from /proc."""
+    if pid is None:
+        return None
+    total = 0.0
+    for p in [pid, *_descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out += children
+            todo += children
+    return out
+
+
+class _Load:
+    def __init__(self, http: httpx.AsyncClient, model: str, rng: random.Random, max_tokens: int):
+        self.http, self.model, self.rng, self.max_tokens = http, model, rng, max_tokens
+        self.statuses: Counter = Counter()
+        self.kinds: Counter = Counter()
+        self.failures: list[str] = []
+
+    def fail(self, kind: str, message: str) -> None:
+        if len(self.failures) < 50:
+            self.failures.append(f"{kind}: {message}")
+
+    def body(self, chat: bool, n: int) -> dict:
+        common = {"model": self.model, "max_tokens": n, "ignore_eos": True}
+        if chat:
+            return {**common, "messages": [{"role": "user", "content": f"question {self.rng.randrange(10**6)}"}]}
+        return {**common, "prompt": f"soak prompt {self.rng.randrange(10**6)}:"}
+
+    async def one(self, kind: str) -> None:
+        self.kinds[kind] += 1
+        n = self.rng.randint(1, self.max_tokens)
+        try:
+            if kind in ("completion", "chat"):
+                await self.plain(kind, n)
+            elif kind in ("stream", "chat_stream"):
+                await self.stream(kind, n)
+            elif kind == "disconnect":
+                await self.disconnect(n)
+            elif kind == "abandon":
+                await self.abandon()
+            else:
+                await self.bad()
+        except httpx.HTTPError as err:
+            self.fail(kind, f"{type(err).__name__}: {err}")
+
+    async def plain(self, kind: str, n: int) -> None:
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        response = await self.http.post(path, json=self.body(kind == "chat", n))
+        self.statuses[response.status_code] += 1
+        if response.status_code != 200:
+            return self.fail(kind, f"{response.status_code} {response.text[:200]}")
+        got = response.json()["usage"]["completion_tokens"]
+        if got != n or response.json()["choices"][0]["finish_reason"] != "length":
+            self.fail(kind, f"asked {n} tokens, got {got} ({response.json()['choices'][0]['finish_reason']})")
+
+    async def stream(self, kind: str, n: int) -> None:
+        chat = kind == "chat_stream"
+        body = {**self.body(chat, n), "stream": True, "stream_options": {"include_usage": True}}
+        async with self.http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as raw:
+            self.statuses[raw.status_code] += 1
+            if raw.status_code != 200:
+                return self.fail(kind, f"{raw.status_code} {(await raw.aread())[:200]!r}")
+            lines = [line async for line in raw.aiter_lines() if line]
+        if not lines or lines[-1] != "data: [DONE]":
+            return self.fail(kind, f"no [DONE]; last line {lines[-1:]!r}")
+        usage = json.loads(lines[-2][6:]).get("usage") or {}
+        if usage.get("completion_tokens") != n:
+            self.fail(kind, f"asked {n} tokens, usage says {usage.get('completion_tokens')}")
+
+    async def disconnect(self, n: int) -> None:
+        body = {**self.body(False, max(n, 32)), "stream": True, "threshold": 1.0}
+        async with self.http.stream("POST", "/v1/completions", json=body) as raw:
+            self.statuses[raw.status_code] += 1
+            async for line in raw.aiter_lines():
+                if line:
+                    break  # drop the connection after the first chunk
+
+    async def abandon(self) -> None:
+        body = {**self.body(False, self.max_tokens), "threshold": 1.0}
+        try:
+            response = await self.http.post("/v1/completions", json=body, timeout=0.05)
+            self.statuses[response.status_code] += 1  # finished before the client gave up
+        except httpx.TimeoutException:
+            self.statuses["abandoned"] += 1
+
+    async def bad(self) -> None:
+        if self.rng.random() < 0.2:
+            raw = self.rng.choice(RAW_BAD)
+            response = await self.http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            expected = 400
+        else:
+            path, body, expected = self.rng.choice(BAD)
+            response = await self.http.post(path, json={"model": self.model, **body})
+        self.statuses[response.status_code] += 1
+        if response.status_code != expected or "error" not in response.json():
+            self.fail("bad", f"expected {expected}, got {response.status_code} {response.text[:200]}")
+
+
+async def run_phase(url: str, model: str, phase: int, seconds: float, max_requests: int, concurrency: int,
+                    max_tokens: int, seed: int, pid: Optional[int], headers: dict) -> PhaseReport:
+    rng = random.Random(seed * 1000 + phase)
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as http:
+        load = _Load(http, model, rng, max_tokens)
+        started = time.monotonic()
+        issued = 0
+
+        async def worker() -> None:
+            nonlocal issued
+            while time.monotonic() - started < seconds and issued < max_requests:
+                issued += 1
+                await load.one(rng.choices(KINDS, WEIGHTS)[0])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.monotonic() - started
+        load_info = await _idle_load(http, timeout_s=60)
+    if load_info["kv_free_pages"] != load_info["kv_total_pages"] or load_info["num_reqs"]:
+        load.fail("pages", f"after the phase: {load_info}")
+    return PhaseReport(phase, round(elapsed, 2), issued, dict(load.kinds), {str(k): v for k, v in load.statuses.items()},
+                       load.failures, load_info["kv_free_pages"], load_info["kv_total_pages"], rss_mib(pid))
+
+
+async def _idle_load(http: httpx.AsyncClient, timeout_s: float) -> dict:
+    """/get_load once the server has no request left (aborts are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = (await http.get("/get_load")).json()[0]
+        idle = info["num_reqs"] == 0 and info["kv_free_pages"] == info["kv_total_pages"]
+        if idle or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.1)
+
+
+def soak(url: str, model: str, phases: int, phase_seconds: float, max_requests: int, concurrency: int = 8,
+         max_tokens: int = 48, seed: int = 0, pid: Optional[int] = None, api_key: Optional[str] = None) -> SoakReport:
+    host = urlparse(url).hostname or ""
+    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        raise ValueError(f"soak only targets loopback addresses, not {url}")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    report = SoakReport()
+    for phase in range(phases):
+        report.phases.append(asyncio.run(run_phase(url, model, phase, phase_seconds, max_requests, concurrency,
+                                                   max_tokens, seed, pid, headers)))
+    return report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running server on loopback; default: start `fluxlab serve`")
+    parser.add_argument("--pid", type=int, help="the server's pid, for RSS (set when soak starts the server)")
+    parser.add_argument("--model", default="tiny_llada2")
+    parser.add_argument("--phases", type=int, default=3)
+    parser.add_argument("--phase-seconds", type=float, default=20.0)
+    parser.add_argument("--max-requests", type=int, default=10_000, help="per phase")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the full report here as JSON")
+    parser.add_argument("overrides", nargs="*", help="serve overrides when soak starts the server")
+    args = parser.parse_args(argv)
+
+    server = None
+    url, pid = args.url, args.pid
+    if url is None:
+        from fluxlab.bench.server_process import ServerProcess
+
+        log_path = Path(tempfile.mkdtemp(prefix="fluxlab-soak-")) / "serve.log"
+        server = ServerProcess(list(args.overrides), log_path, timeout_s=600)
+        url, pid = server.url, server.pid
+    try:
+        report = soak(url, args.model, args.phases, args.phase_seconds, args.max_requests, args.concurrency,
+                      args.max_tokens, args.seed, pid)
+    finally:
+        if server is not None:
+            server.stop()
+    print(report.table())
+    for failure in report.failures[:20]:
+        print("FAIL", failure)
+    if args.out:
+        args.out.write_text(json.dumps([asdict(p) for p in report.phases], indent=2))
+    return 1 if report.failures or report.server_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
