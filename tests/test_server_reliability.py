@@ -217,3 +217,42 @@ def test_the_key_decides_whether_chat_content_may_hold_special_tokens(parse):
     response = asyncio.run(main())
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_a_request_whose_row_breaks_the_step_fails_alone_on_the_real_engine():
+    """The engine retries each row of a failed step alone: the breaking request is a 500, the
+    request beside it in the same batch completes."""
+    from fluxlab.config import compose, validate_config
+    from fluxlab.engine.llm_engine import make_engine
+    from fluxlab.server.app import build_app
+    from fluxlab.server.async_engine import AsyncEngine
+
+    cfg = compose("serve", TINY + ["engine.dtype=float32"])
+    validate_config(cfg, cuda_available=False)
+    engine = make_engine(cfg)
+    original = engine.runner._decode
+
+    def decode(inputs, *args):
+        if any(5 in r.prompt_ids for r in inputs.requests):
+            raise RuntimeError("injected failure of one row")
+        return original(inputs, *args)
+
+    engine.runner._decode = decode
+    async_engine = AsyncEngine(engine, cfg.server.max_waiting_requests)
+    app = build_app(cfg, async_engine)
+
+    async def main():
+        async_engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+                body = {**GOOD, "max_tokens": 24, "ignore_eos": True}
+                return await asyncio.gather(http.post("/v1/completions", json={**body, "prompt": [5, 6, 7]}),
+                                            http.post("/v1/completions", json={**body, "prompt": [8, 9, 10]}))
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    failed, ok = asyncio.run(main())
+    assert failed.status_code == 500 and "injected failure" in failed.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 24
+    assert engine.kv_free_pages == engine.kv_total_pages

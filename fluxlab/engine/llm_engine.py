@@ -202,6 +202,11 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     @property
+    def graph_forwards(self) -> int:
+        """Forwards that replayed a CUDA graph (the rest ran eagerly)."""
+        return self.runner.num_graph_forwards
+
+    @property
     def kv_free_pages(self) -> int:
         return self.block_manager.num_free_pages
 

@@ -27,6 +27,10 @@ class Overloaded(Exception):
     """More requests are waiting than server.max_waiting_requests allows (HTTP 503)."""
 
 
+class RequestFailed(Exception):
+    """The engine failed one request (a step raised for its row alone); the others go on (HTTP 500)."""
+
+
 class EngineDead(Exception):
     """The engine loop stopped (a crash or shutdown); the request cannot be served."""
 
@@ -214,7 +218,10 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            if output.finish_reason == "error":  # the engine failed this request alone (its step raised)
+                stream.put(RequestFailed(f"the engine could not run this request: {output.error}"))
+            else:
+                stream.put(output)
         self._refresh_snapshot()
 
     def _recover(self, err: Exception) -> None:
@@ -261,7 +268,7 @@ class AsyncEngine:
             num_waiting=e.num_waiting, num_running=e.num_running, kv_free_pages=e.kv_free_pages,
             kv_total_pages=e.kv_total_pages, total_forwards=e.total_forwards,
             total_generated_tokens=e.total_generated_tokens, total_step_seconds=e.total_step_seconds,
-            graph_forwards=e.runner.num_graph_forwards)
+            graph_forwards=getattr(e, "graph_forwards", 0))
 
 
 def _settle(future: asyncio.Future, err: Optional[BaseException]) -> None:
