@@ -48,7 +48,7 @@ def test_registry_lists_every_decoder_the_config_accepts():
         validate_config(compose("generate", ["decoding.decoder=nosuch"]), cuda_available=False)
 
 
-@pytest.mark.parametrize("seed", [2**63, 2**64, -1, 2**80])
+@pytest.mark.parametrize("seed", [2**63, 2**64, -2**63 - 1, 2**80])
 def test_seeds_beyond_int64_are_refused_at_admission(llm, seed):
     with pytest.raises(InvalidRequest) as err:
         llm.engine.add_request([1, 2, 3], SamplingParams(seed=seed, temperature=1.0))

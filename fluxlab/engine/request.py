@@ -63,8 +63,8 @@ class SamplingParams:
                 raise InvalidRequest(problem, knob.name)
         if isinstance(p.max_new_tokens, bool) or not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
             raise InvalidRequest(f"max_tokens={p.max_new_tokens} must be an integer >= 1", "max_tokens")
-        if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed <= SEED_MAX:
-            raise InvalidRequest(f"seed={p.seed} must be an integer in [0, 2**63 - 1]", "seed")
+        if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not -SEED_MAX - 1 <= p.seed <= SEED_MAX:
+            raise InvalidRequest(f"seed={p.seed} must be an integer in [-2**63, 2**63 - 1]", "seed")
         return p
 
     @property

@@ -59,6 +59,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          help="levenshtein_joint: hard cap on forwards per block (a final round, then the commit)"),
 )}
 
-# torch.Generator.manual_seed takes any 64-bit value; the API takes the signed int64 range's
-# non-negative half, as OpenAI's seed does, so a seed never overflows inside a step.
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; requests take the signed int64 range (the
+# server's bound too), so a seed never overflows inside a step.
 SEED_MAX = 2**63 - 1
