@@ -39,7 +39,15 @@ def test_the_document_says_400_and_the_real_content_types(server):
     assert "HTTPValidationError" not in schemas
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     temperature = schemas["CompletionRequest"]["properties"]["temperature"]["anyOf"][0]
+    temperature.pop("description", None)
     assert temperature == {"type": "number", "minimum": 0}  # standard keywords, not pydantic's ge
+    # every decoding knob's range is the registry's (fluxlab/engine/decoding/knobs.py)
+    top_p = schemas["CompletionRequest"]["properties"]["top_p"]["anyOf"][0]
+    assert top_p["exclusiveMinimum"] == 0 and top_p["maximum"] == 1
+    decoder = schemas["CompletionRequest"]["properties"]["decoder"]["anyOf"][0]
+    from fluxlab.engine.decoding.registry import DECODERS
+
+    assert decoder["enum"] == list(DECODERS)
 
 
 def test_a_wrong_method_is_405_with_allow(server):

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 from pydantic.types import Strict
 
+from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob
+from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.request import SamplingParams
 
 # Strict finite numbers: "0.7" as a string is a client mistake, not something to coerce silently,
 # and JSON's 1e400 parses to inf, which no knob means.
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-# torch.Generator.manual_seed takes [-2**63, 2**64-1]; the OpenAI/vLLM seed is a signed 64-bit integer.
-SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+# The OpenAI/vLLM seed is a signed 64-bit integer (the engine's bound, decoding/knobs.py).
+SEED_MIN, SEED_MAX = -_SEED_MAX - 1, _SEED_MAX
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -47,7 +49,23 @@ def _unsupported(default: Any = None, **schema: Any) -> Any:
     return Field(default, description="not supported: any other value is a 400", **schema)
 
 
-class DecodingFields(BaseModel):
+def _knob_field(knob: Knob) -> Any:
+    """A knob's body field: its type and JSON-schema bounds, as the registry writes them."""
+    bounds: dict[str, Any] = {}
+    if knob.minimum is not None:
+        bounds["gt" if knob.exclusive_minimum else "ge"] = knob.minimum
+    if knob.maximum is not None:
+        bounds["le"] = knob.maximum
+    kind = Float if knob.kind is float else StrictInt
+    return (Optional[Annotated[kind, Field(description=knob.help or None, **bounds)]], None)
+
+
+# Every decoding knob, with the bounds that need no engine config (steps <= block_length is the
+# engine's check, with the same `param`).
+_KnobFields = create_model("KnobFields", **{name: _knob_field(k) for name, k in KNOBS.items()})
+
+
+class DecodingFields(_KnobFields):
     """Body fields shared by both endpoints. None = the server's config (decoding.*, model.*)."""
 
     model_config = ConfigDict(extra="ignore", strict=False)
@@ -60,16 +78,9 @@ class DecodingFields(BaseModel):
     stop: Optional[Union[Annotated[StrictStr, Field(min_length=1)],
                          Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)]]] = None
     seed: Optional[Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
-    temperature: Optional[Annotated[Float, Field(ge=0)]] = None
-    top_p: Optional[Annotated[Float, Field(gt=0, le=1)]] = None
-    # fluxlab extensions (DESIGN §3: per-request overrides of the decoding keys)
-    top_k: Optional[Annotated[StrictInt, Field(ge=0)]] = None
-    decoder: Optional[StrictStr] = None
-    threshold: Optional[Annotated[Float, Field(ge=0, le=1)]] = None
-    editing_threshold: Optional[Annotated[Float, Field(ge=0, le=1)]] = None
-    low_threshold: Optional[Annotated[Float, Field(ge=0, le=1)]] = None
-    steps: Optional[Annotated[StrictInt, Field(ge=1)]] = None
-    max_post_steps: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+    # fluxlab extensions (DESIGN §3: per-request overrides of the decoding keys): the decoder names
+    # and every knob (temperature, top_p as in OpenAI) with its range come from the decoder registry.
+    decoder: Optional[Literal[tuple(DECODERS)]] = None  # type: ignore[valid-type]
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False  # adds `token_ids` to each choice
     # OpenAI fields that would change the output; not implemented, so refused unless left at the default
@@ -120,11 +131,9 @@ class DecodingFields(BaseModel):
         return value  # a wrong type is left to the type check
 
     def sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=max_tokens, decoder=self.decoder, threshold=self.threshold, steps=self.steps,
-            editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
-            low_threshold=self.low_threshold, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos)
+        return SamplingParams(max_new_tokens=max_tokens, decoder=self.decoder, seed=self.seed,
+                              stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+                              **{name: getattr(self, name) for name in KNOBS})
 
 
 NonEmptyIds = Annotated[list[TokenId], Field(min_length=1)]
