@@ -105,6 +105,17 @@ class LLMEngine:
             free_at_start, _ = torch.cuda.mem_get_info(self.device)
         model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        # Random weights of a published preset have no files: the preset's released ids.
+        self.special = special_ids(model_dir, preset=cfg.model.preset)
+        self.mask_id, self.eos_id = self.special.mask_id, self.special.eos_id
+        self.eos_ids = self.special.stop_ids  # a request stops on any of them
+        missing = self._missing_special_ids(cfg.decoding.decoder)
+        if missing:
+            raise ValueError(f"decoding.decoder={cfg.decoding.decoder} needs the model's {' and '.join(missing)} "
+                             f"(config.json delete_token_id/split_token_id: an LLaDA2.2 checkpoint); "
+                             f"model={cfg.model.name} has none")
+        # Edit tokens are instructions to a decoder, never output (whatever the decoder).
+        self.hidden_ids = tuple(i for i in (self.special.delete_id, self.special.split_id) if i is not None)
         if cfg.model.load_format == "random":
             self.model, self.model_config = build_random_model(cfg.model.preset, self.dtype, self.device,
                                                                seed=cfg.engine.seed)
@@ -119,17 +130,6 @@ class LLMEngine:
         for module in self.model.modules():
             if isinstance(module, StackedExperts):
                 module.backend = moe_backend
-        # Random weights of a published preset have no files: the preset's released ids.
-        self.special = special_ids(model_dir, preset=cfg.model.preset)
-        self.mask_id, self.eos_id = self.special.mask_id, self.special.eos_id
-        self.eos_ids = self.special.stop_ids  # a request stops on any of them
-        missing = self._missing_special_ids(cfg.decoding.decoder)
-        if missing:
-            raise ValueError(f"decoding.decoder={cfg.decoding.decoder} needs the model's {' and '.join(missing)} "
-                             f"(config.json delete_token_id/split_token_id: an LLaDA2.2 checkpoint); "
-                             f"model={cfg.model.name} has none")
-        # Edit tokens are instructions to a decoder, never output (whatever the decoder).
-        self.hidden_ids = tuple(i for i in (self.special.delete_id, self.special.split_id) if i is not None)
         self.block_length = cfg.decoding.block_length
         check_block_length(self.model_config, self.block_length)
         self.max_model_len = cfg.model.max_model_len

@@ -56,6 +56,7 @@ class DecodingFields(BaseModel):
     low_threshold: Optional[Float] = Field(default=None, ge=0, le=1)
     steps: Optional[StrictInt] = Field(default=None, ge=1)
     max_post_steps: Optional[StrictInt] = Field(default=None, ge=0)
+    max_steps_per_block: Optional[StrictInt] = Field(default=None, ge=2)
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False  # adds `token_ids` to each choice
 
@@ -88,6 +89,7 @@ class DecodingFields(BaseModel):
         return SamplingParams(
             max_new_tokens=max_tokens, decoder=self.decoder, threshold=self.threshold, steps=self.steps,
             editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
+            max_steps_per_block=self.max_steps_per_block,
             low_threshold=self.low_threshold, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos)
 
