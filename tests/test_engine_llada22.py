@@ -232,8 +232,8 @@ def test_levenshtein_is_refused_where_it_cannot_run(llm):
         llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.5))
     assert err.value.param == "temperature" and "levenshtein_joint" in str(err.value)
     with pytest.raises(InvalidRequest) as err:
-        llm.engine.add_request([1, 2, 3], SamplingParams(max_steps_per_block=1001))
-    assert err.value.param == "max_steps_per_block" and "decoding.max_steps_per_block=1000" in str(err.value)
+        llm.engine.add_request([1, 2, 3], SamplingParams(max_steps_per_block=1))
+    assert err.value.param == "max_steps_per_block"
     with pytest.raises(ConfigError, match=r"decoding.temperature=0.5 must be 0 for decoding.decoder=levenshtein_joint"):
         validate_config(compose("generate", ["decoding=levenshtein_joint", "decoding.temperature=0.5"]),
                         cuda_available=False)
@@ -242,7 +242,8 @@ def test_levenshtein_is_refused_where_it_cannot_run(llm):
         plain.engine.add_request([1, 2, 3], SamplingParams(decoder="levenshtein_joint"))
     assert err.value.param == "decoder" and "delete_id and split_id" in str(err.value)
     with pytest.raises(ValueError, match="decoding.decoder=levenshtein_joint needs the model's delete_id"):
-        LLM(overrides=["engine.dtype=float32", "engine.device=cpu", "decoding=levenshtein_joint"])
+        LLM(overrides=["model=tiny_llada2", "engine.dtype=float32", "engine.device=cpu",
+                       "decoding=levenshtein_joint"])
     assert not llm.engine.has_unfinished()
 
 

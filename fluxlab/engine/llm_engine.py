@@ -148,8 +148,7 @@ class LLMEngine:
                                    StopStrings(self.tokenizer))
         self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
                                   self.dtype, cfg.attention.backend, self.max_model_len // self.block_length,
-                                  cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids(),
-                                  self._history_capacity())
+                                  cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
         segment_sizes = graph_segment_sizes(cfg)
         if segment_sizes:
             self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
@@ -171,12 +170,6 @@ class LLMEngine:
     def _decoder_special_ids(self) -> dict[str, int]:
         names = {name for d in DECODERS.values() for name in d.special_ids}
         return {name: getattr(self.special, name) for name in names if getattr(self.special, name) is not None}
-
-    def _history_capacity(self) -> int:
-        """Rows per seat of the decoders' history log: the engine's value of each runnable logging
-        decoder's bounding knob (a request may not ask for more: add_request refuses it)."""
-        return max((self.cfg.decoding[d.log_knob] for d in DECODERS.values()
-                    if d.log_knob and not self._missing_special_ids(d.name)), default=0)
 
     # --- memory ---
     def _page_bytes(self) -> int:
@@ -245,15 +238,10 @@ class LLMEngine:
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
                                  f"max_model_len={self.max_model_len}", "max_tokens")
-        decoder = get_decoder(params.decoder)
         missing = self._missing_special_ids(params.decoder)
         if missing:
             raise InvalidRequest(f"decoder={params.decoder} needs the model's {' and '.join(missing)}; "
                                  f"{self.cfg.model.name} has none", "decoder")
-        if decoder.log_knob and getattr(params, decoder.log_knob) > self.runner.step_state.history_capacity:
-            raise InvalidRequest(f"{decoder.log_knob}={getattr(params, decoder.log_knob)} must be <= the engine's "
-                                 f"decoding.{decoder.log_knob}={self.runner.step_state.history_capacity} (the "
-                                 "seat history it allocated)", decoder.log_knob)
         request_id = request_id or next_request_id()
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")

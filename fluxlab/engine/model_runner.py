@@ -61,7 +61,7 @@ class DecodeInputs:
 class ModelRunner:
     def __init__(self, model, num_pages: int, block_length: int, device: torch.device, dtype: torch.dtype,
                  backend: str = "sdpa", max_blocks_per_seq: int = 64, max_num_seqs: int = 8, mask_id: int = 0,
-                 special: Optional[dict[str, int]] = None, history_capacity: int = 0):
+                 special: Optional[dict[str, int]] = None):
         cfg = model.config
         self.model = model
         self.block_length = block_length
@@ -80,7 +80,7 @@ class ModelRunner:
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
         self.attention = self._make_backend(backend)
-        self.step_state = StepState(max_num_seqs, device, block_length, history_capacity)
+        self.step_state = StepState(max_num_seqs, device, block_length)
         self.graphs = None  # GraphRunner once captured
         self.num_graph_forwards = 0
         self.num_eager_forwards = 0
@@ -255,12 +255,11 @@ class ModelRunner:
         editable = torch.arange(bl, device=self.device)[None, :] >= prompt_len[:, None]
         masked = (block == self.mask_id) & editable  # a literal mask token in the prompt is prompt text
         present = [DECODERS[name] for name in inputs.decoders]
-        logs = any(d.log_knob for d in present)
-        # a logging decoder reads its rows' history up to the longest log in the batch, plus one row
-        history_rows = min(int(inputs.log_len.max()) + 1, state_store.history_capacity) if logs else 0
+        # a logging decoder reads its rows' history up to the longest log in the batch, plus the row it appends
+        history = (state_store.gather_history(slots, int(inputs.log_len.max()) + 1)
+                   if any(d.logs for d in present) else None)
         batch = DecodeBatch(tokens, conf, block, masked, editable, knobs, state, self.mask_id,
-                            columns=state_store.gather_columns(slots),
-                            history=state_store.gather_history(slots, history_rows) if logs else None,
+                            columns=state_store.gather_columns(slots), history=history,
                             history_len=log_len, logits=full_logits, logit_rows=full_rows, special=self.special)
         result = decode(batch, decoder_ids, inputs.decoders)
         state_store.store(slots, result.state, result.columns, result.log, result.logged, log_len)

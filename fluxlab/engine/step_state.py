@@ -5,9 +5,9 @@ state from the host mirror), never rebuilt from Python lists per step: a step ga
 seats, the decoders update them and the new values are scattered back in place.
 
 Decoder state has three shapes (decoding/base.py): int counters [seat], int columns [seat, bl] and
-a history log [seat, capacity, bl] that grows by at most one row per forward. The host mirrors all
-three (request.decoder_state / decoder_columns / decoder_log, from the step's one device->host
-copy), so a seat is rebuilt exactly after preemption or a failed step.
+a history log [seat, rows, bl] that grows by at most one row per forward (the tensor grows on
+demand). The host mirrors all three (request.decoder_state / decoder_columns / decoder_log, from
+the step's one device->host copy), so a seat is rebuilt exactly after preemption or a failed step.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ DERIVED_KNOBS = ("effective_steps",)
 
 
 class StepState:
-    def __init__(self, num_slots: int, device: torch.device, block_length: int = 1, history_capacity: int = 0):
+    def __init__(self, num_slots: int, device: torch.device, block_length: int = 1):
         self.device = device
         names = {k for d in DECODERS.values() for k in d.knobs} | set(SAMPLING_KNOBS)
         self.float_knobs = sorted(n for n in names if KNOBS[n].kind is float)
@@ -40,9 +40,7 @@ class StepState:
         self._prompt_col = self._decoder_col + 1
         self._state_col = self._prompt_col + 1
         self.columns = torch.zeros(num_slots, len(self.column_names), block_length, dtype=torch.long, device=device)
-        # rows a logging decoder may append in one block (0: no logging decoder can run on this model)
-        self.history_capacity = history_capacity
-        self.history = torch.zeros(num_slots, history_capacity, block_length, dtype=torch.long, device=device)
+        self.history = torch.zeros(num_slots, 0, block_length, dtype=torch.long, device=device)
         self.owner: list[Optional[tuple[int, int]]] = [None] * num_slots  # (request serial, active block)
 
     def refresh(self, requests: list[Request]) -> None:
@@ -69,6 +67,7 @@ class StepState:
         for r in stale:
             # rows past a seat's log length are never read, so only logged rows need writing
             if r.decoder_log:
+                self._reserve_history(len(r.decoder_log))
                 self.history[r.slot, :len(r.decoder_log)] = torch.from_numpy(np.stack(r.decoder_log)).to(self.device)
             self.owner[r.slot] = (r.serial, r.active_block)
 
@@ -85,9 +84,22 @@ class StepState:
         columns = self.columns[slots]
         return {name: columns[:, j] for j, name in enumerate(self.column_names)}
 
-    def gather_history(self, slots: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
-        """[R, rows, bl]: the first `rows` history rows of the given seats (None without a history)."""
-        return self.history[slots, :rows] if self.history_capacity else None
+    def gather_history(self, slots: torch.Tensor, rows: int) -> torch.Tensor:
+        """[R, rows, bl]: the first `rows` history rows of the given seats; the step may append at
+        any row below `rows`."""
+        self._reserve_history(rows)
+        return self.history[slots, :rows]
+
+    def _reserve_history(self, rows: int) -> None:
+        """Grow every seat's history to at least `rows` rows (doubling: a long block is rare, and
+        most blocks end within a few dozen forwards)."""
+        have = self.history.shape[1]
+        if rows <= have:
+            return
+        grown = torch.zeros(self.history.shape[0], max(rows, 2 * have, 16), self.history.shape[2],
+                            dtype=self.history.dtype, device=self.device)
+        grown[:, :have] = self.history
+        self.history = grown
 
     def store(self, slots: torch.Tensor, state: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
               log: Optional[torch.Tensor] = None, logged: Optional[torch.Tensor] = None,
@@ -97,6 +109,5 @@ class StepState:
             self.ints[:, self._state_col + i].index_copy_(0, slots, state[name])
         for j, name in enumerate(self.column_names):
             self.columns[:, j].index_copy_(0, slots, columns[name])
-        if log is not None:
-            at = log_len.clamp(max=self.history_capacity - 1)
-            self.history[slots, at] = torch.where(logged[:, None], log, self.history[slots, at])
+        if log is not None:  # gather_history reserved a row at log_len for every row
+            self.history[slots, log_len] = torch.where(logged[:, None], log, self.history[slots, log_len])

@@ -64,7 +64,7 @@ class Decoder:
     # Richer per-row state, also zero at block entry and mirrored on the host (request.decoder_columns /
     # decoder_log) so a seat is rebuilt exactly after preemption or a failed step:
     columns: ClassVar[tuple[str, ...]] = ()  # int64 [bl] per-position values
-    log_knob: ClassVar[Optional[str]] = None  # logs one [bl] row per forward, at most this int knob's rows a block
+    logs: ClassVar[bool] = False  # appends one [bl] row per forward to its row's history (DecoderStep.log)
     needs_logits: ClassVar[bool] = False  # reads full-vocabulary logits of its rows' blocks (DecodeBatch.logits)
     greedy_only: ClassVar[bool] = False  # temperature > 0 is refused
     special_ids: ClassVar[tuple[str, ...]] = ()  # checkpoint token ids it needs (SpecialIds field names)

@@ -253,7 +253,7 @@ class LevenshteinJoint(Decoder):
     special_ids = ("delete_id", "split_id")
     state = ("step", "post_steps", "num_initial", "finalized")
     columns = ("orig_mask",)
-    log_knob = "max_steps_per_block"  # one written block per forward, at most max_steps_per_block a block
+    logs = True  # the written blocks, for the anti-loop's exact-repeat check
 
     def step(self, batch: DecodeBatch) -> DecoderStep:
         rows = batch.logit_rows
