@@ -254,7 +254,8 @@ def test_block_routed_model_runs_in_the_engine_and_matches_the_reference():
     for prompt, got in zip(batch, results):
         want = reference_generate(engine.model, prompt, mask_id=engine.mask_id, eos_id=engine.eos_id,
                                   block_length=16, max_new_tokens=30, ignore_eos=True, steps=16)
-        assert got.token_ids == want.token_ids
+        # the threshold decoder may accept LLaDA2.2's edit tokens: they are never emitted
+        assert got.token_ids == [t for t in want.token_ids if t not in engine.hidden_ids]
     assert engine.kv_free_pages == engine.kv_total_pages
 
 

@@ -180,7 +180,7 @@ def main() -> None:
             return make_engine(vcfg)
         engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
                                     engine.dtype, backend, engine.max_model_len // engine.block_length,
-                                    engine.cfg.scheduler.max_num_seqs, engine.mask_id)
+                                    engine.cfg.scheduler.max_num_seqs, engine.mask_id, engine.runner.special)
         if graphs:
             t0 = time.perf_counter()
             segments = sorted({n for b in sizes for n in (b, 2 * b)})

@@ -97,6 +97,8 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         for knob in KNOBS.values():
             problem = knob.problem(dec[knob.name], bl, prefix="decoding.")
             _check(problem is None, problem)
+        _check(not DECODERS[dec.decoder].greedy_only or dec.temperature == 0,
+               f"decoding.temperature={dec.temperature} must be 0 for decoding.decoder={dec.decoder} (greedy only)")
 
         # --- model ---
         _check(model.load_format in ("auto", "random"),

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fluxlab.engine.block_manager import BlockManager
+from fluxlab.engine.decoding.registry import DECODERS, get_decoder
 from fluxlab.engine.layers.attention import KVCache
 from fluxlab.engine.model_runner import ModelRunner, StepInputs
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
@@ -104,6 +105,17 @@ class LLMEngine:
             free_at_start, _ = torch.cuda.mem_get_info(self.device)
         model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        # Random weights of a published preset have no files: the preset's released ids.
+        self.special = special_ids(model_dir, preset=cfg.model.preset)
+        self.mask_id, self.eos_id = self.special.mask_id, self.special.eos_id
+        self.eos_ids = self.special.stop_ids  # a request stops on any of them
+        missing = self._missing_special_ids(cfg.decoding.decoder)
+        if missing:
+            raise ValueError(f"decoding.decoder={cfg.decoding.decoder} needs the model's {' and '.join(missing)} "
+                             f"(config.json delete_token_id/split_token_id: an LLaDA2.2 checkpoint); "
+                             f"model={cfg.model.name} has none")
+        # Edit tokens are instructions to a decoder, never output (whatever the decoder).
+        self.hidden_ids = tuple(i for i in (self.special.delete_id, self.special.split_id) if i is not None)
         if cfg.model.load_format == "random":
             self.model, self.model_config = build_random_model(cfg.model.preset, self.dtype, self.device,
                                                                seed=cfg.engine.seed)
@@ -118,10 +130,6 @@ class LLMEngine:
         for module in self.model.modules():
             if isinstance(module, StackedExperts):
                 module.backend = moe_backend
-        # Random weights of a published preset have no files: the preset's released ids.
-        self.special = special_ids(model_dir, preset=cfg.model.preset)
-        self.mask_id, self.eos_id = self.special.mask_id, self.special.eos_id
-        self.eos_ids = self.special.stop_ids  # a request stops on any of them
         self.block_length = cfg.decoding.block_length
         check_block_length(self.model_config, self.block_length)
         self.max_model_len = cfg.model.max_model_len
@@ -140,7 +148,7 @@ class LLMEngine:
                                    StopStrings(self.tokenizer))
         self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
                                   self.dtype, cfg.attention.backend, self.max_model_len // self.block_length,
-                                  cfg.scheduler.max_num_seqs, self.mask_id)
+                                  cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
         segment_sizes = graph_segment_sizes(cfg)
         if segment_sizes:
             self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
@@ -154,6 +162,14 @@ class LLMEngine:
         log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s",
                  cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
                  cfg.scheduler.policy, cfg.attention.backend)
+
+    # --- decoders the model can run ---
+    def _missing_special_ids(self, decoder: str) -> list[str]:
+        return [name for name in get_decoder(decoder).special_ids if getattr(self.special, name) is None]
+
+    def _decoder_special_ids(self) -> dict[str, int]:
+        names = {name for d in DECODERS.values() for name in d.special_ids}
+        return {name: getattr(self.special, name) for name in names if getattr(self.special, name) is not None}
 
     # --- memory ---
     def _page_bytes(self) -> int:
@@ -227,10 +243,15 @@ class LLMEngine:
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
                                  f"max_model_len={self.max_model_len}", "max_tokens")
+        missing = self._missing_special_ids(params.decoder)
+        if missing:
+            raise InvalidRequest(f"decoder={params.decoder} needs the model's {' and '.join(missing)}; "
+                                 f"{self.cfg.model.name} has none", "decoder")
         request_id = request_id or next_request_id()
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids)
+        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
+                          self.hidden_ids)
         if not self.block_manager.can_hold(request):
             raise InvalidRequest(f"the request needs {request.num_blocks} KV pages; the cache holds "
                                  f"{self.block_manager.num_pages}", "max_tokens")

@@ -47,19 +47,21 @@ class StepInputs:
 @dataclass
 class DecodeInputs:
     """Rank 0's half of a step: which seats decode, where their blocks sit in the input, and which
-    logit rows are greedy positions (first) or sampled rows' whole blocks (after, bl each)."""
+    logit rows are greedy positions (first) or whole blocks of full rows (after, bl each)."""
 
     requests: list[Request]
     slots: np.ndarray  # [R]
     block_index: np.ndarray  # [R * bl] flat token index of each decoding row's active block
     greedy_target: np.ndarray  # [Pg] index into [R * bl] of each greedy logit row
-    sampled_rows: list[int]  # rows with temperature > 0, in logit order
+    full_rows: np.ndarray  # [F] rows with whole-block full logits (temperature > 0 or a needs_logits decoder)
+    log_len: np.ndarray  # [R] rows each row's decoder has logged in this block (its host log's length)
     decoders: list[str]  # decoders present in the batch
 
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, block_length: int, device: torch.device, dtype: torch.dtype,
-                 backend: str = "sdpa", max_blocks_per_seq: int = 64, max_num_seqs: int = 8, mask_id: int = 0):
+                 backend: str = "sdpa", max_blocks_per_seq: int = 64, max_num_seqs: int = 8, mask_id: int = 0,
+                 special: Optional[dict[str, int]] = None):
         cfg = model.config
         self.model = model
         self.block_length = block_length
@@ -68,6 +70,7 @@ class ModelRunner:
         self.backend = backend
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mask_id = mask_id
+        self.special = dict(special or {})  # extra token ids decoders read (delete_id, split_id)
         self.routing_block_size = getattr(cfg, "routing_block_size", 0) or 0
         self.num_qo_heads = getattr(model, "num_local_heads", cfg.num_attention_heads)  # per TP rank
         self.num_kv_heads = getattr(model, "num_local_kv_heads", cfg.num_key_value_heads)
@@ -77,7 +80,7 @@ class ModelRunner:
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
         self.attention = self._make_backend(backend)
-        self.step_state = StepState(max_num_seqs, device)
+        self.step_state = StepState(max_num_seqs, device, block_length)
         self.graphs = None  # GraphRunner once captured
         self.num_graph_forwards = 0
         self.num_eager_forwards = 0
@@ -143,18 +146,22 @@ class ModelRunner:
         block_index = (np.asarray(block_starts)[:, None] + np.arange(bl)).ravel()
         blocks = token_ids[block_index].reshape(num, bl)
         prompt = np.array([r.prompt_positions_in_active_block() for r in decoding])
-        edits = np.array([DECODERS[r.params.decoder].edits for r in decoding])
-        sampled = np.array([r.params.temperature > 0 for r in decoding])
+        decoders = [DECODERS[r.params.decoder] for r in decoding]
+        edits = np.array([d.edits for d in decoders])
+        # Full logits of the whole block: a sampling row (its generator draws for every position)
+        # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
+        full = np.array([r.params.temperature > 0 or d.needs_logits for r, d in zip(decoding, decoders)])
         editable = np.arange(bl)[None, :] >= prompt[:, None]
-        # Logits only where a decoder may write: masks, or every non-prompt position of an editing
-        # decoder; a sampling row needs its whole block (its generator draws for every position).
-        need = editable & (edits[:, None] | (blocks == self.mask_id)) & ~sampled[:, None]
+        # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
+        # editing decoder.
+        need = editable & (edits[:, None] | (blocks == self.mask_id)) & ~full[:, None]
         greedy_target = np.flatnonzero(need)
-        sampled_rows = np.flatnonzero(sampled).tolist()
+        full_rows = np.flatnonzero(full)
         logit_index = np.concatenate([block_index[greedy_target]]
-                                     + [block_index[r * bl:(r + 1) * bl] for r in sampled_rows])
+                                     + [block_index[r * bl:(r + 1) * bl] for r in full_rows])
+        log_len = np.array([len(r.decoder_log) for r in decoding], dtype=np.int64)
         decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
-                                     sampled_rows, sorted({r.params.decoder for r in decoding}))
+                                     full_rows, log_len, sorted({r.params.decoder for r in decoding}))
         return StepInputs(token_ids, positions, rows, logit_index), decode_inputs
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -180,7 +187,8 @@ class ModelRunner:
         if self.on_step is not None:
             self.on_step(inputs)
         extra = [] if decode_inputs is None else [decode_inputs.slots, decode_inputs.block_index,
-                                                  decode_inputs.greedy_target]
+                                                  decode_inputs.greedy_target, decode_inputs.full_rows,
+                                                  decode_inputs.log_len]
         logits, ids, extra_dev = self.execute(inputs, extra)
         if decode_inputs is None:
             return None
@@ -216,12 +224,14 @@ class ModelRunner:
     # --- the decode step ---
     @torch.inference_mode()
     def _decode(self, inputs: DecodeInputs, logits: Optional[torch.Tensor], ids: torch.Tensor, slots: torch.Tensor,
-                block_index: torch.Tensor, greedy_target: torch.Tensor) -> StepOutput:
+                block_index: torch.Tensor, greedy_target: torch.Tensor, full_rows: torch.Tensor,
+                log_len: torch.Tensor) -> StepOutput:
         from fluxlab.kernels.vocab_stats import greedy_stats
 
         bl = self.block_length
         num = len(inputs.requests)
-        self.step_state.refresh(inputs.requests)
+        state_store = self.step_state
+        state_store.refresh(inputs.requests)
         block = ids[block_index].view(num, bl)  # the active blocks as the forward read them
         tokens = block.clone().view(-1)
         conf = torch.zeros(num * bl, dtype=torch.float32, device=self.device)
@@ -231,27 +241,44 @@ class ModelRunner:
             tokens.index_copy_(0, greedy_target, greedy_tokens)
             conf.index_copy_(0, greedy_target, greedy_conf)
         tokens, conf = tokens.view(num, bl), conf.view(num, bl)
-        for j, r in enumerate(inputs.sampled_rows):
+        full_logits = logits[num_greedy:].view(len(inputs.full_rows), bl, -1) if len(inputs.full_rows) else None
+        for j, r in enumerate(inputs.full_rows.tolist()):
             request = inputs.requests[r]
             p = request.params
-            row_logits = logits[num_greedy + j * bl:num_greedy + (j + 1) * bl].float()
-            probs = filtered_probs(row_logits, p.temperature, p.top_k, p.top_p)
+            if p.temperature == 0:
+                continue  # a needs_logits decoder's greedy row: it reads full_logits itself
+            probs = filtered_probs(full_logits[j].float(), p.temperature, p.top_k, p.top_p)
             sampled = torch.multinomial(probs, 1, generator=self._generator(request)).squeeze(-1)
             tokens[r] = sampled
             conf[r] = probs.gather(-1, sampled[:, None]).squeeze(-1)
-        knobs, decoder_ids, prompt_len, state = self.step_state.gather(slots)
+        knobs, decoder_ids, prompt_len, state = state_store.gather(slots)
         editable = torch.arange(bl, device=self.device)[None, :] >= prompt_len[:, None]
         masked = (block == self.mask_id) & editable  # a literal mask token in the prompt is prompt text
-        result = decode(DecodeBatch(tokens, conf, block, masked, editable, knobs, state, self.mask_id),
-                        decoder_ids, inputs.decoders)
-        self.step_state.store(slots, result.state)
-        names = self.step_state.state_names
-        packed = torch.cat([result.block, result.filled[:, None], result.edited[:, None],
-                            result.final[:, None].long()] + [result.state[n][:, None] for n in names], dim=1)
-        host = packed.cpu().numpy()  # the step's one device->host copy
+        present = [DECODERS[name] for name in inputs.decoders]
+        # a logging decoder reads its rows' history up to the longest log in the batch, plus the row it appends
+        history = (state_store.gather_history(slots, int(inputs.log_len.max()) + 1)
+                   if any(d.logs for d in present) else None)
+        batch = DecodeBatch(tokens, conf, block, masked, editable, knobs, state, self.mask_id,
+                            columns=state_store.gather_columns(slots), history=history,
+                            history_len=log_len, logits=full_logits, logit_rows=full_rows, special=self.special)
+        result = decode(batch, decoder_ids, inputs.decoders)
+        state_store.store(slots, result.state, result.columns, result.log, result.logged, log_len)
+        names = state_store.state_names
+        columns = sorted({c for d in present for c in d.columns})  # shipped for the decoders present only
+        parts = ([result.block, result.filled[:, None], result.edited[:, None], result.final[:, None].long()]
+                 + [result.state[n][:, None] for n in names] + [result.columns[c] for c in columns])
+        if result.log is not None:
+            parts += [result.log, result.logged[:, None].long()]
+        host = torch.cat(parts, dim=1).cpu().numpy()  # the step's one device->host copy
         self.results_at = time.perf_counter()
-        return StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),
-                          {n: host[:, bl + 3 + i] for i, n in enumerate(names)})
+        at = bl + 3 + len(names)
+        out = StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),
+                         {n: host[:, bl + 3 + i] for i, n in enumerate(names)},
+                         {c: host[:, at + i * bl:at + (i + 1) * bl] for i, c in enumerate(columns)})
+        if result.log is not None:
+            at += len(columns) * bl
+            out.log, out.logged = host[:, at:at + bl], host[:, at + bl].astype(bool)
+        return out
 
     def _generator(self, request: Request) -> torch.Generator:
         if request.generator is None:

@@ -61,6 +61,9 @@ class SamplingParams:
             problem = knob.problem(getattr(p, knob.name), block_length)
             if problem:
                 raise InvalidRequest(problem, knob.name)
+        if DECODERS[p.decoder].greedy_only and p.temperature > 0:
+            raise InvalidRequest(f"temperature={p.temperature} must be 0 for decoder={p.decoder} (greedy only)",
+                                 "temperature")
         if isinstance(p.max_new_tokens, bool) or not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
             raise InvalidRequest(f"max_tokens={p.max_new_tokens} must be an integer >= 1", "max_tokens")
         if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not -SEED_MAX - 1 <= p.seed <= SEED_MAX:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import numpy as np
@@ -36,6 +36,9 @@ class StepOutput:
     edited: np.ndarray  # [R] token -> token edits
     final: np.ndarray  # [R] bool: the block is final
     state: dict[str, np.ndarray]  # decoder state after the step, [R] each
+    columns: dict[str, np.ndarray] = field(default_factory=dict)  # [R, bl] each (decoders present only)
+    log: Optional[np.ndarray] = None  # [R, bl] rows appended to each row's decoder log where `logged`
+    logged: Optional[np.ndarray] = None  # [R] bool
 
 
 class TextStops(Protocol):
@@ -137,6 +140,9 @@ class Scheduler:
             request.stats.tokens_edited += int(out.edited[i])
             request.forwards_in_block += 1
             request.decoder_state = {name: int(values[i]) for name, values in out.state.items()}
+            request.decoder_columns = {name: values[i].copy() for name, values in out.columns.items()}
+            if out.logged is not None and out.logged[i]:
+                request.decoder_log.append(out.log[i].copy())
             if not out.final[i]:
                 continue
             request.commit_active_block()

@@ -24,7 +24,7 @@ _serials = itertools.count()
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, block_length: int,
-                 mask_id: int, eos_ids: tuple[int, ...]):
+                 mask_id: int, eos_ids: tuple[int, ...], hidden_ids: tuple[int, ...] = ()):
         self.request_id = request_id
         self.serial = next(_serials)  # unique for the process's life (request ids may be reused)
         self.prompt_ids = list(prompt_ids)
@@ -32,6 +32,7 @@ class Request:
         self.block_length = block_length
         self.mask_id = mask_id
         self.eos_ids = tuple(eos_ids)
+        self.hidden_ids = frozenset(hidden_ids)  # never emitted (LLaDA2.2's DELETE/SPLIT edit tokens)
         self.num_prompt_tokens = len(prompt_ids)
         total = self.num_prompt_tokens + params.max_new_tokens
         self.num_blocks = -(-total // block_length)
@@ -45,7 +46,10 @@ class Request:
         self.state = RequestState.WAITING
         self.stats = RequestStats()
         self.forwards_in_block = 0  # forwards that decoded the active block so far
-        self.decoder_state: dict[str, int] = {}  # host mirror of the device decoder state (zero on block entry)
+        # Host mirror of the device decoder state (decoding/base.py; all empty = zero on block entry):
+        self.decoder_state: dict[str, int] = {}  # counters
+        self.decoder_columns: dict[str, np.ndarray] = {}  # [block_length] int64 each
+        self.decoder_log: list[np.ndarray] = []  # rows logged in the active block, [block_length] each
         self.output_ids: list[int] = []  # final output so far (cut at EOS / max_new_tokens / stop)
         self.num_emitted = 0  # output tokens already reported
         self.finish_reason: Optional[str] = None
@@ -90,11 +94,15 @@ class Request:
             if stops:
                 new = new[:min(stops)]
                 self.finish_reason = "stop"
+        if self.hidden_ids:
+            # levenshtein_joint never leaves an edit token in a block; other decoders may accept one
+            # on an LLaDA2.2 model, and it is an instruction to the decoder, not text.
+            new = [t for t in new if t not in self.hidden_ids]
         self.output_ids.extend(new)
         self.stats.blocks_committed += 1
         self.active_block += 1
         self.forwards_in_block = 0
-        self.decoder_state = {}
+        self.decoder_state, self.decoder_columns, self.decoder_log = {}, {}, []
         if self.finish_reason is None and self.active_block >= self.num_blocks:
             self.finish_reason = "length"
         return new

@@ -6,8 +6,8 @@ row's view, runs each decoder present in the batch on all rows and keeps its ans
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
 import torch
 
@@ -24,6 +24,12 @@ class DecodeBatch:
     knobs: dict[str, torch.Tensor]  # [R] per-row knob values (float32 / int64)
     state: dict[str, torch.Tensor]  # [R] per-row decoder state, zero on block entry
     mask_id: int
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)  # [R, bl] per-position state, zero on entry
+    history: Optional[torch.Tensor] = None  # [R, n, bl] rows logged in this block, oldest first (n >= 1)
+    history_len: Optional[torch.Tensor] = None  # [R] rows of `history` each row has logged
+    logits: Optional[torch.Tensor] = None  # [F, bl, V] full-vocabulary logits of rows `logit_rows`
+    logit_rows: Optional[torch.Tensor] = None  # [F] the rows (needs_logits decoders, sampled rows)
+    special: dict[str, int] = field(default_factory=dict)  # the checkpoint's extra token ids (delete_id, ...)
 
 
 @dataclass
@@ -43,6 +49,9 @@ class DecoderStep:
     edited: torch.Tensor  # [R]
     final: torch.Tensor  # [R] bool
     state: dict[str, torch.Tensor]
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)  # [R, bl] each
+    log: Optional[torch.Tensor] = None  # [R, bl] the row each row appends to its history
+    logged: Optional[torch.Tensor] = None  # [R] bool: whether it appends
 
 
 class Decoder:
@@ -52,6 +61,13 @@ class Decoder:
     knobs: ClassVar[tuple[str, ...]]  # beyond the sampling knobs every decoder reads
     edits: ClassVar[bool] = False  # rewrites non-mask positions: logits needed on all non-prompt positions
     state: ClassVar[tuple[str, ...]] = ()  # int64 per-row counters, reset when a block is entered
+    # Richer per-row state, also zero at block entry and mirrored on the host (request.decoder_columns /
+    # decoder_log) so a seat is rebuilt exactly after preemption or a failed step:
+    columns: ClassVar[tuple[str, ...]] = ()  # int64 [bl] per-position values
+    logs: ClassVar[bool] = False  # appends one [bl] row per forward to its row's history (DecoderStep.log)
+    needs_logits: ClassVar[bool] = False  # reads full-vocabulary logits of its rows' blocks (DecodeBatch.logits)
+    greedy_only: ClassVar[bool] = False  # temperature > 0 is refused
+    special_ids: ClassVar[tuple[str, ...]] = ()  # checkpoint token ids it needs (SpecialIds field names)
 
     def step(self, batch: DecodeBatch) -> DecoderStep:
         """The whole rule for one forward. The default is accept (which masks to fill, which tokens

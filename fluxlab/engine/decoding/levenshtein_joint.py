@@ -26,6 +26,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from fluxlab.engine.decoding.base import DecodeBatch, Decoder, DecoderStep
+
 ESCAPE_RETRIES = 5
 
 
@@ -90,6 +92,7 @@ class LevenshteinStepOutput:
     final_round: torch.Tensor  # [R] bool: this forward was a final round (row now finalized)
     block_final: torch.Tensor  # [R] bool: this forward's input was the block's final tokens
     escaped: torch.Tensor      # [R] bool: the anti-loop moved a position
+    written: torch.Tensor      # [R, L] the written block (after escape, before the scan): what history records
 
 
 def argmax_excluding(logits: torch.Tensor, excluded: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,4 +236,54 @@ def levenshtein_step(logits: torch.Tensor, block: torch.Tensor, prompt_len: torc
     state.step += active.long()
     state.finalized |= final
     block_final = ~masked.any(-1) & (new_block == block).all(-1)
-    return LevenshteinStepOutput(new_block, fill.sum(-1), edit.sum(-1), final, block_final, repeat)
+    return LevenshteinStepOutput(new_block, fill.sum(-1), edit.sum(-1), final, block_final, repeat, written)
+
+
+class LevenshteinJoint(Decoder):
+    """The engine's decoder: `levenshtein_step` on the batch rows that carry full logits. Its seat
+    state is the protocol's: counters (t, post steps, N, finalized), the original-mask bitmap as a
+    column and the written blocks as the history log, all zero at block entry; the first forward
+    of a block (t == 0) takes its masks as the original ones."""
+
+    name = "levenshtein_joint"
+    knobs = ("threshold", "editing_threshold", "steps", "max_post_steps", "max_steps_per_block")
+    edits = True
+    needs_logits = True
+    greedy_only = True
+    special_ids = ("delete_id", "split_id")
+    state = ("step", "post_steps", "num_initial", "finalized")
+    columns = ("orig_mask",)
+    logs = True  # the written blocks, for the anti-loop's exact-repeat check
+
+    def step(self, batch: DecodeBatch) -> DecoderStep:
+        rows = batch.logit_rows
+        block, masked = batch.block[rows], batch.masked[rows]
+        counters = {k: batch.state[k][rows] for k in self.state}
+        entering = counters["step"] == 0
+        state = LevenshteinState(
+            orig_mask=torch.where(entering[:, None], masked, batch.columns["orig_mask"][rows].bool()),
+            num_initial=torch.where(entering, masked.sum(-1), counters["num_initial"]),
+            step=counters["step"].clone(), post_steps=counters["post_steps"].clone(),
+            finalized=counters["finalized"].bool(), history=batch.history[rows],
+            history_len=batch.history_len[rows].clone())
+        logged = ~state.finalized
+        k = batch.knobs
+        knobs = LevenshteinKnobs(k["threshold"][rows], k["editing_threshold"][rows], k["steps"][rows],
+                                 k["max_post_steps"][rows], k["max_steps_per_block"][rows])
+        out = levenshtein_step(batch.logits, block, (~batch.editable[rows]).sum(-1), state, knobs,
+                               mask_id=batch.mask_id, delete_id=batch.special["delete_id"],
+                               split_id=batch.special["split_id"])
+
+        def scatter(full: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+            return full.clone().index_copy_(0, rows, sub.to(full.dtype))
+
+        zeros = torch.zeros_like(batch.block[:, 0])
+        new_state = {"step": state.step, "post_steps": state.post_steps, "num_initial": state.num_initial,
+                     "finalized": state.finalized}
+        return DecoderStep(
+            block=scatter(batch.block, out.block), filled=scatter(zeros, out.num_filled),
+            edited=scatter(zeros, out.num_edited),
+            final=scatter(zeros.bool(), out.final_round | out.block_final),
+            state={key: scatter(batch.state[key], value) for key, value in new_state.items()},
+            columns={"orig_mask": scatter(batch.columns["orig_mask"], state.orig_mask)},
+            log=scatter(batch.block, out.written), logged=scatter(zeros.bool(), logged))

@@ -6,9 +6,10 @@ from fluxlab.engine.decoding.base import Decoder
 from fluxlab.engine.decoding.hierarchy import Hierarchy
 from fluxlab.engine.decoding.joint_threshold import JointThreshold
 from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX, Knob
+from fluxlab.engine.decoding.levenshtein_joint import LevenshteinJoint
 from fluxlab.engine.decoding.threshold import Threshold
 
-DECODERS: dict[str, Decoder] = {d.name: d for d in (Threshold(), Hierarchy(), JointThreshold())}
+DECODERS: dict[str, Decoder] = {d.name: d for d in (Threshold(), Hierarchy(), JointThreshold(), LevenshteinJoint())}
 
 # Knobs every decoder reads: the proposal step samples with them.
 SAMPLING_KNOBS = ("temperature", "top_p", "top_k")
