@@ -109,6 +109,7 @@ def test_wrong_type_and_unknown_key_fail_at_compose():
 
 
 RULES = [
+    (["decoding.canvas_length=256"], "decoding.canvas_length=256: canvas decoding (Diffusion-Gemma) is not in this build"),
     (["engine.page_size=32"], "engine.page_size=32 must equal decoding.block_length=64"),
     (["model.max_model_len=1000"], "model.max_model_len=1000 must be divisible by decoding.block_length=64"),
     (["scheduler.max_scheduled_tokens=500"], "scheduler.max_scheduled_tokens=500 must be divisible by decoding.block_length=64"),

@@ -10,6 +10,8 @@ from typing import Optional
 
 from omegaconf import DictConfig, open_dict
 
+from fluxlab.config.schema import DecodingConfig
+
 POLICIES = ("paged", "dynamic", "static")
 BACKENDS = ("sdpa", "flashinfer", "fa4")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -89,6 +91,11 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
 
         _check(dec.decoder in DECODERS,
                f"decoding.decoder={dec.decoder!r}: use one of {', '.join(DECODERS)}")
+        # Canvases are Diffusion-Gemma's blocks; no model of this build decodes canvases, so a value
+        # other than the schema default would be accepted and ignored.
+        _check(dec.canvas_length == DecodingConfig.canvas_length,
+               f"decoding.canvas_length={dec.canvas_length}: canvas decoding (Diffusion-Gemma) is not in this build; "
+               "LLaDA2 models decode blocks of decoding.block_length")
         if dec.max_denoising_steps is not None:
             dec.steps = dec.max_denoising_steps
             notes.append(f"decoding.steps set to decoding.max_denoising_steps={dec.max_denoising_steps}")
