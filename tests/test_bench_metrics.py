@@ -65,6 +65,13 @@ def test_tpf_falls_back_to_output_tokens_without_accepted_counts():
     assert compute_metrics(rs, 1.0)["tokens_per_forward"] == pytest.approx(3.0)
 
 
+def test_tokens_edited_sums_completed_requests_and_is_absent_when_unreported():
+    rs = records()
+    rs[0].tokens_edited, rs[1].tokens_edited, rs[2].tokens_edited = 3, 0, 50  # rs[2] failed
+    assert compute_metrics(rs, 1.0)["tokens_edited"] == 3
+    assert "tokens_edited" not in compute_metrics(records(), 1.0)  # e.g. a server without the count
+
+
 def test_no_completed_request_gives_zeros_and_no_accuracy():
     m = compute_metrics([RequestRecord(index=0, error="boom")], duration_s=1.0)
     assert m["completed"] == 0 and m["failed"] == 1

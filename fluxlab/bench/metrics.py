@@ -7,6 +7,8 @@ Definitions (DESIGN §10), over the requests that completed:
   itl  = every gap between consecutive chunks of a request (a chunk is a block, so ITL is per block)
   concurrency = sum of e2e latencies / duration (the average number of requests in flight)
   tokens_per_forward = tokens the decoder accepted / forwards of the requests' active blocks
+  tokens_edited = committed tokens an editing decoder rewrote (token -> token), summed over requests;
+    absent when no request reported it (the server's usage does not carry it yet)
   tokens_per_chunk = output tokens / chunks
   engine_steps, mean_step_ms = the engine's forwards during the timed run and their mean wall time
     (schedule + forward + decode), from the engine's counters (offline) or the server's /metrics
@@ -24,6 +26,7 @@ import pandas as pd
 STATS = ("mean", "median", "std", "p90", "p95", "p99")
 LATENCIES = ("e2e_latency", "ttft", "tpot", "itl")
 HEADLINE = ("completed", "failed", "duration", "request_throughput", "output_throughput", "tokens_per_forward",
+            "tokens_edited",
             "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "mean_step_ms", "graph_share",
             "accuracy")
 
@@ -41,6 +44,7 @@ class RequestRecord:
     chunks: int = 0  # streamed pieces that carried tokens
     forwards: Optional[int] = None
     tokens_accepted: Optional[int] = None  # null -> output_tokens stands in for TPF
+    tokens_edited: Optional[int] = None  # token -> token edits; null: not reported
     finish_reason: Optional[str] = None
     text: str = ""
     answer: Optional[str] = None
@@ -94,6 +98,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     accepted = sum(r.tokens_accepted if r.tokens_accepted is not None else r.output_tokens for r in counted)
     metrics["forwards"] = forwards
     metrics["tokens_per_forward"] = accepted / forwards if forwards else 0.0
+    edited = [r.tokens_edited for r in done if r.tokens_edited is not None]
+    if edited:
+        metrics["tokens_edited"] = sum(edited)
     chunks = sum(r.chunks for r in done)
     metrics["tokens_per_chunk"] = total_out / chunks if chunks else 0.0
     scored = [r.correct for r in done if r.correct is not None]

@@ -104,6 +104,7 @@ def _finish(llm: Any, record: RequestRecord, out: Any, sent: float, chunk_times:
     record.text = out.text if out.text is not None else llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     record.forwards = out.stats.forwards
     record.tokens_accepted = out.stats.tokens_accepted
+    record.tokens_edited = out.stats.tokens_edited
     record.e2e_s = now - sent
     record.ttft_s = (chunk_times[0] if chunk_times else now) - sent
     record.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]

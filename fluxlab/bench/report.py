@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 
 from fluxlab.bench import tracking
 
-COLUMNS = ("output_throughput", "request_throughput", "tokens_per_forward", "forwards", "mean_ttft_ms",
-           "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "completed", "failed", "accuracy")
+COLUMNS = ("output_throughput", "request_throughput", "tokens_per_forward", "forwards", "tokens_edited",
+           "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "completed", "failed", "accuracy")
 LOAD_KEYS = ("bench.request_rate", "bench.max_concurrency")
 # Params that differ between any two runs without being what was compared.
 NOT_SWEPT = ("tracking.run_name",)
