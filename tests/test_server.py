@@ -42,6 +42,18 @@ def test_completion_usage_equals_the_tokens_returned(client):
     assert response.usage.total_tokens == response.usage.prompt_tokens + 24
     assert response.usage.prompt_tokens > 0
     assert fluxlab_usage(response.usage)["forwards"] >= 2  # two blocks of 16, at least one forward each
+    assert fluxlab_usage(response.usage)["tokens_edited"] == 0  # the threshold decoder never edits
+
+
+def test_editing_decoders_report_their_edits_in_usage(client):
+    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=40,
+                                         extra_body={"ignore_eos": True, "decoder": "joint_threshold",
+                                                     "threshold": 0.5, "editing_threshold": 0.0,
+                                                     "max_post_steps": 4})
+    usage = fluxlab_usage(response.usage)
+    # the speed preset on the tiny random model rewrites committed tokens (the engine tests check
+    # the count equals the reference's)
+    assert usage["tokens_edited"] > 0 and usage["tokens_accepted"] >= 40
 
 
 def test_streaming_completion_sends_a_chunk_per_block_then_usage_then_done(client, server):

@@ -118,6 +118,8 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     record.output_tokens = int(usage.get("completion_tokens") or 0)
     record.forwards, record.tokens_accepted = _decoder_counts(usage)
+    edited = (usage.get("fluxlab") or {}).get("tokens_edited")
+    record.tokens_edited = None if edited is None else int(edited)
     record.e2e_s = end - start
     record.ttft_s = (chunk_times[0] if chunk_times else end) - start
     record.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]

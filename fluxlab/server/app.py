@@ -370,6 +370,7 @@ def _usage(prompt_tokens: int, last: RequestOutput) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(last.token_ids),
             "total_tokens": prompt_tokens + len(last.token_ids),
             "fluxlab": {"forwards": stats.forwards, "tokens_accepted": stats.tokens_accepted,
+                        "tokens_edited": stats.tokens_edited,
                         "tokens_per_forward": round(stats.tokens_per_forward, 4),
                         "blocks": stats.blocks_committed, "preemptions": stats.preemptions}}
 
