@@ -191,7 +191,10 @@ class LLMEngine:
                           [(0, 1, r * bl < decoding, [r]) for r in range(rows)], np.arange(decoding))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        probe.execute(fake)
+        logits, _, _ = probe.execute(fake)
+        if self.special.delete_id is not None:
+            self._probe_levenshtein_step(logits.view(-1, bl, logits.shape[-1]))
+        del logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe.cache.k.nbytes - probe.cache.v.nbytes
         del probe
@@ -207,6 +210,21 @@ class LLMEngine:
         log.info("KV profile: peak %.2f GiB with weights, budget %.2f GiB -> %d pages", peak / 2**30,
                  budget / 2**30, pages)
         return pages
+
+    def _probe_levenshtein_step(self, logits: torch.Tensor) -> None:
+        """An LLaDA2.2 model may run levenshtein_joint on every seat at once, and its step works on
+        fp32 copies of the seats' full logits: run one on the probe's logits so the peak counts it."""
+        from fluxlab.engine.decoding.levenshtein_joint import LevenshteinKnobs, LevenshteinState, levenshtein_step
+
+        rows, bl = logits.shape[0], logits.shape[1]
+        block = torch.full((rows, bl), self.mask_id, dtype=torch.long, device=self.device)
+        prompt = torch.zeros(rows, dtype=torch.long, device=self.device)
+        state = LevenshteinState.empty(rows, bl, 2, self.device)
+        state.enter_block(torch.arange(rows, device=self.device), block, prompt, self.mask_id)
+        ones = torch.ones(rows, dtype=torch.long, device=self.device)
+        knobs = LevenshteinKnobs(ones.float() * 0.5, ones.float() * 0.0, ones * bl, ones * 16, ones * 1000)
+        levenshtein_step(logits, block, prompt, state, knobs, mask_id=self.mask_id,
+                         delete_id=self.special.delete_id, split_id=self.special.split_id)
 
     # --- requests ---
     @property
