@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_scheduled_tokens: int = 512
     num_device_pages: int = 0  # <= 0: profile from free memory (GPU) or engine.cpu_kv_cache_gb (CPU)
+    enable_prefix_cache: bool = True  # reuse committed blocks' K/V across requests (paged KV layout)
 
 
 @dataclass

@@ -90,6 +90,7 @@ class RequestStats:
     tokens_accepted: int = 0  # mask -> token transfers (edits not counted)
     blocks_committed: int = 0
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
 
     @property
     def ttft_s(self) -> float:
