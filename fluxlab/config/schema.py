@@ -113,7 +113,7 @@ class BenchConfig:
 @dataclass
 class WorkloadConfig:
     name: str = "gsm8k_sample"
-    kind: str = "jsonl"  # jsonl | random
+    kind: str = "jsonl"  # jsonl | fewshot | multiturn | random
     path: Optional[str] = None  # jsonl: file of {"messages": [...], "max_tokens"}; null -> the shipped sample
     num_prompts: int = 16
     seed: int = 0
@@ -121,6 +121,8 @@ class WorkloadConfig:
     input_len: List[int] = field(default_factory=lambda: [128])  # random: [fixed] or [low, high]
     output_len: List[int] = field(default_factory=lambda: [128])
     scorer: Optional[str] = None  # gsm8k: final-number match against metadata.answer
+    num_shots: int = 5  # fewshot: exemplars (the file's first lines) before every question
+    num_turns: int = 3  # multiturn: user turns per conversation
 
 
 @dataclass
