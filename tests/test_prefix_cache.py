@@ -9,7 +9,7 @@ import pytest
 
 from fluxlab.engine.request import SamplingParams
 from fluxlab.llm import LLM
-from tests.test_engine import BASE, BL, engine_llm, prompts, reference
+from test_engine import BASE, BL, engine_llm, prompts, reference
 
 
 def fresh(*overrides: str) -> LLM:
