@@ -91,16 +91,17 @@ def _worked_answer(item: dict) -> dict:
     return {"role": "assistant", "content": content}
 
 
-def fewshot_prompts(path: Path, num_prompts: int, num_shots: int, max_tokens: int) -> list[BenchPrompt]:
+def fewshot_prompts(path: Path, num_prompts: Optional[int], num_shots: int, max_tokens: int) -> list[BenchPrompt]:
     """GSM8K k-shot: the file's first `num_shots` lines (question, answer) as user/assistant turns
-    before each question of the following lines (cycled), so every prompt shares those turns."""
+    before each question of the following lines (cycled; None: each once), so every prompt shares
+    those turns."""
     lines = _read_lines(path)
     if not 0 <= num_shots < len(lines):
         raise ValueError(f"workload.num_shots={num_shots} must be in [0, lines in workload.path - 1 = {len(lines) - 1}]")
     shots = [turn for item in lines[:num_shots] for turn in (item["messages"][0], _worked_answer(item))]
     questions = lines[num_shots:]
     prompts = []
-    for index in range(num_prompts):
+    for index in range(len(questions) if num_prompts is None else num_prompts):
         item = questions[index % len(questions)]
         metadata = item.get("metadata") or {}
         answer = metadata.get("answer")
@@ -109,7 +110,7 @@ def fewshot_prompts(path: Path, num_prompts: int, num_shots: int, max_tokens: in
     return prompts
 
 
-def multiturn_prompts(path: Path, num_prompts: int, num_turns: int, max_tokens: int) -> list[BenchPrompt]:
+def multiturn_prompts(path: Path, num_prompts: Optional[int], num_turns: int, max_tokens: int) -> list[BenchPrompt]:
     """A chat replay: conversations of `num_turns` user turns, each answered by its recorded answer;
     turn t's prompt is turns 1..t-1 with their answers plus turn t, so it extends turn t-1's prompt.
     A line with several messages is one conversation (user, assistant, user, ...); single-message
@@ -131,7 +132,10 @@ def multiturn_prompts(path: Path, num_prompts: int, num_turns: int, max_tokens: 
             conversations.append(turns[:-1])
     if not conversations:
         raise ValueError(f"workload.path={path}: fewer than workload.num_turns={num_turns} lines")
-    num_conversations = -(-num_prompts // num_turns)
+    if num_prompts is None:  # every conversation once, each of its turns
+        num_conversations, num_prompts = len(conversations), len(conversations) * num_turns
+    else:
+        num_conversations = -(-num_prompts // num_turns)
     prompts = []
     for turn in range(num_turns):
         for c in range(num_conversations):
