@@ -75,3 +75,35 @@ def test_random_max_tokens_override_and_bad_lengths():
     assert {p.max_tokens for p in load_workload(cfg, tok)} == {32}
     with pytest.raises(ValueError, match=r"workload.input_len=\[9, 5\]"):
         load_workload(compose("bench", ["workload=random", "workload.input_len=[9,5]"]), tok)
+
+
+def test_gsm8k_fewshot_puts_the_same_exemplars_before_every_question():
+    lines = [json.loads(line) for line in sample_jsonl_path().read_text().splitlines()]
+    prompts = load_workload(compose("bench", ["workload=gsm8k_fewshot", "workload.num_shots=3",
+                                              "workload.num_prompts=31"]))
+    assert len(prompts) == 31
+    shots = prompts[0].messages[:6]
+    assert [m["role"] for m in shots] == ["user", "assistant"] * 3
+    assert shots[0] == lines[0]["messages"][0] and shots[1]["content"] == f"The answer is {lines[0]['metadata']['answer']}."
+    assert all(p.messages[:6] == shots and len(p.messages) == 7 for p in prompts)
+    # questions are the lines after the exemplars, cycled; answers go with them for scoring
+    assert prompts[0].messages[-1] == lines[3]["messages"][0] and prompts[0].answer == lines[3]["metadata"]["answer"]
+    assert prompts[29].messages[-1] == lines[3]["messages"][0]
+    with pytest.raises(ValueError, match="workload.num_shots=40"):
+        load_workload(compose("bench", ["workload=gsm8k_fewshot", "workload.num_shots=40"]))
+
+
+def test_chat_multiturn_turns_extend_the_previous_turn_and_come_turn_major(tmp_path):
+    prompts = load_workload(compose("bench", ["workload=chat_multiturn", "workload.num_turns=3",
+                                              "workload.num_prompts=6"]))
+    assert [(p.metadata["turn"], p.metadata["conversation"]) for p in prompts] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    for earlier, later in zip(prompts[:4], prompts[2:]):  # same conversation, next turn
+        assert later.messages[:len(earlier.messages)] == earlier.messages
+        assert [m["role"] for m in later.messages[len(earlier.messages):]] == ["assistant", "user"]
+    path = tmp_path / "chats.jsonl"
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    path.write_text(json.dumps({"messages": chat}) + "\n")
+    prompts = load_workload(compose("bench", ["workload=chat_multiturn", f"workload.path={path}",
+                                              "workload.num_prompts=2", "workload.num_turns=2"]))
+    assert [p.messages for p in prompts] == [chat[:1], chat]

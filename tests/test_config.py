@@ -78,7 +78,7 @@ def test_table_defaults():
         "engine.kv_cache_layout": "paged", "engine.dtype": "bfloat16", "engine.seed": 0, "engine.page_size": None,
         "model.max_model_len": 2048, "model.max_new_tokens": 128, "model.trust_remote_code": True,
         "scheduler.max_num_seqs": 8, "scheduler.max_scheduled_tokens": 512, "scheduler.policy": "paged",
-        "scheduler.num_device_pages": 0, "attention.backend": "auto", "attention.use_cuda_graph": False,
+        "scheduler.num_device_pages": 0, "scheduler.enable_prefix_cache": True, "attention.backend": "auto", "attention.use_cuda_graph": False,
         "attention.use_prefill_cuda_graph": False, "attention.use_decode_cuda_graph": False,
         "attention.cuda_graph_decode_mode": "padded", "attention.cuda_graph_capture_bs": None,
         "attention.cuda_graph_capture_sizes": [64, 128, 256, 512, 1024], "decoding.block_length": 64,
@@ -116,6 +116,8 @@ RULES = [
     (["attention.cuda_graph_capture_bs=[1,16]"], "attention.cuda_graph_capture_bs=[1, 16]: each must be in [1, scheduler.max_num_seqs=8]"),
     (["engine.kv_cache_layout=dense"], "scheduler.policy=paged needs engine.kv_cache_layout=paged"),
     (["scheduler=dynamic", "engine.kv_cache_layout=dense"], "scheduler.policy=dynamic needs engine.kv_cache_layout=paged"),
+    (["scheduler=static", "engine.kv_cache_layout=dense"],
+     "scheduler.enable_prefix_cache=true needs engine.kv_cache_layout=paged (got dense)"),
     (["attention=flashinfer"], "attention.backend=flashinfer needs a CUDA device but engine.device=cpu; use attention=sdpa"),
     (["attention=fa4"], "attention.backend=fa4 needs a CUDA device"),
     (["parallel.tp_size=0"], "parallel.tp_size=0 must be a positive integer"),
@@ -144,8 +146,8 @@ def test_capture_sizes_are_filtered_with_a_note():
     assert any("dropped [0, 100, 4096]" in n for n in notes)
 
 
-def test_dense_layout_runs_with_static_policy():
-    cfg, _ = valid(["scheduler=static", "engine.kv_cache_layout=dense"])
+def test_dense_layout_runs_with_static_policy_without_the_prefix_cache():
+    cfg, _ = valid(["scheduler=static", "engine.kv_cache_layout=dense", "scheduler.enable_prefix_cache=false"])
     assert cfg.scheduler.policy == "static"
 
 

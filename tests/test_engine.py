@@ -73,7 +73,7 @@ def test_multi_token_acceptance_happens(llm):
 
 
 @pytest.mark.parametrize("policy", [["scheduler=paged"], ["scheduler=dynamic"],
-                                    ["scheduler=static", "engine.kv_cache_layout=dense"],
+                                    ["scheduler=static", "engine.kv_cache_layout=dense", "scheduler.enable_prefix_cache=false"],
                                     ["scheduler=static"]])
 def test_mixed_batch_matches_reference_under_each_policy_and_layout(policy):
     llm = engine_llm(*policy)

@@ -168,6 +168,23 @@ def test_metrics_use_the_fluxlab_prefix_and_count(server, client):
     assert metric_value(text, "fluxlab:e2e_request_latency_seconds_count") >= 1
 
 
+
+def test_a_repeated_prompt_reports_cached_tokens_load_and_metrics(server):
+    body = {"model": MODEL, "prompt": "Cached prefix: " + "one two three four five six seven eight " * 6,
+            "max_tokens": 16, "ignore_eos": True}
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+    again = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+    assert first["prompt_tokens"] == again["prompt_tokens"] >= 32
+    # every full prompt block (16 tokens) of the second request came from the cache
+    assert again["prompt_tokens_details"]["cached_tokens"] == first["prompt_tokens"] // 16 * 16
+    assert first["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens_details"]["cached_tokens"]
+    load = server.get("/get_load").json()[0]
+    assert load["kv_cached_pages"] >= first["prompt_tokens"] // 16 and 0 < load["prefix_cache_hit_rate"] <= 1
+    text = server.get("/metrics").text
+    assert metric_value(text, "fluxlab:prefix_cache_hits_total") >= first["prompt_tokens"] // 16
+    assert metric_value(text, "fluxlab:prefix_cache_queries_total") >= metric_value(text, "fluxlab:prefix_cache_hits_total")
+    assert metric_value(text, "fluxlab:kv_cached_pages") == load["kv_cached_pages"]
+
 # ------------------------------------------------------------------------------------ bad input
 
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 8}

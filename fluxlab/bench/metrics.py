@@ -13,6 +13,8 @@ Definitions (DESIGN §10), over the requests that completed:
   engine_steps, mean_step_ms = the engine's forwards during the timed run and their mean wall time
     (schedule + forward + decode), from the engine's counters (offline) or the server's /metrics
   graph_share = the share of those forwards that replayed a CUDA graph
+  cached_token_share = prompt tokens served from the prefix cache / input tokens (usage's
+    prompt_tokens_details.cached_tokens)
 Percentiles use numpy's linear interpolation, as sglang does; an empty sample gives 0, as there.
 """
 from __future__ import annotations
@@ -27,8 +29,8 @@ STATS = ("mean", "median", "std", "p90", "p95", "p99")
 LATENCIES = ("e2e_latency", "ttft", "tpot", "itl")
 HEADLINE = ("completed", "failed", "duration", "request_throughput", "output_throughput", "tokens_per_forward",
             "tokens_edited",
-            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "mean_step_ms", "graph_share",
-            "accuracy")
+            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms",
+            "mean_step_ms", "graph_share", "cached_token_share", "accuracy")
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     output_tokens: int = 0  # from the engine / the server's usage, never re-tokenised
     ttft_s: float = 0.0
     e2e_s: float = 0.0
@@ -101,6 +104,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     edited = [r.tokens_edited for r in done if r.tokens_edited is not None]
     if edited:
         metrics["tokens_edited"] = sum(edited)
+    metrics["cached_token_share"] = sum(r.cached_tokens for r in done) / total_in if total_in else 0.0
     chunks = sum(r.chunks for r in done)
     metrics["tokens_per_chunk"] = total_out / chunks if chunks else 0.0
     scored = [r.correct for r in done if r.correct is not None]

@@ -103,6 +103,7 @@ def _finish(llm: Any, record: RequestRecord, out: Any, sent: float, chunk_times:
     record.output_tokens = len(out.token_ids)
     record.text = out.text if out.text is not None else llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     record.forwards = out.stats.forwards
+    record.cached_tokens = out.stats.cached_tokens
     record.tokens_accepted = out.stats.tokens_accepted
     record.tokens_edited = out.stats.tokens_edited
     record.e2e_s = now - sent

@@ -117,6 +117,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
     record.text = "".join(pieces)
     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     record.output_tokens = int(usage.get("completion_tokens") or 0)
+    record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     record.forwards, record.tokens_accepted = _decoder_counts(usage)
     edited = (usage.get("fluxlab") or {}).get("tokens_edited")
     record.tokens_edited = None if edited is None else int(edited)

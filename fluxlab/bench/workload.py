@@ -1,4 +1,6 @@
-"""Benchmark workloads: chat-prompt JSONL files (GSM8K shape) and random token prompts.
+"""Benchmark workloads: chat-prompt JSONL files (GSM8K shape), random token prompts, and two
+shared-prefix workloads for the prefix cache: GSM8K few-shot (the same k exemplars before every
+question) and a multi-turn chat replay (each turn's prompt is the previous turns and answers).
 
 A workload is a list of `BenchPrompt`s, the same for online and offline mode, so both send the
 engine identical inputs: chat messages go through the same chat template on either side, random
@@ -65,6 +67,87 @@ def load_jsonl(path: Path, num_prompts: Optional[int], max_tokens: Optional[int]
     return prompts
 
 
+def _read_lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"workload.path={path}: no such file")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for number, item in enumerate(lines, 1):
+        if not isinstance(item.get("messages"), list) or not item["messages"]:
+            raise ValueError(f"workload.path={path} line {number}: needs a 'messages' list")
+    if not lines:
+        raise ValueError(f"workload.path={path}: no prompts in the file")
+    return lines
+
+
+def _worked_answer(item: dict) -> dict:
+    """An exemplar's assistant turn: the line's own solution when it has one, else its final answer."""
+    metadata = item.get("metadata") or {}
+    if metadata.get("solution"):
+        content = str(metadata["solution"])
+    elif metadata.get("answer") is not None:
+        content = f"The answer is {metadata['answer']}."
+    else:
+        raise ValueError("a few-shot exemplar needs metadata.answer (or metadata.solution)")
+    return {"role": "assistant", "content": content}
+
+
+def fewshot_prompts(path: Path, num_prompts: Optional[int], num_shots: int, max_tokens: int) -> list[BenchPrompt]:
+    """GSM8K k-shot: the file's first `num_shots` lines (question, answer) as user/assistant turns
+    before each question of the following lines (cycled; None: each once), so every prompt shares
+    those turns."""
+    lines = _read_lines(path)
+    if not 0 <= num_shots < len(lines):
+        raise ValueError(f"workload.num_shots={num_shots} must be in [0, lines in workload.path - 1 = {len(lines) - 1}]")
+    shots = [turn for item in lines[:num_shots] for turn in (item["messages"][0], _worked_answer(item))]
+    questions = lines[num_shots:]
+    prompts = []
+    for index in range(len(questions) if num_prompts is None else num_prompts):
+        item = questions[index % len(questions)]
+        metadata = item.get("metadata") or {}
+        answer = metadata.get("answer")
+        prompts.append(BenchPrompt(index=index, messages=shots + [item["messages"][0]], max_tokens=max_tokens,
+                                   answer=None if answer is None else str(answer), metadata=metadata))
+    return prompts
+
+
+def multiturn_prompts(path: Path, num_prompts: Optional[int], num_turns: int, max_tokens: int) -> list[BenchPrompt]:
+    """A chat replay: conversations of `num_turns` user turns, each answered by its recorded answer;
+    turn t's prompt is turns 1..t-1 with their answers plus turn t, so it extends turn t-1's prompt.
+    A line with several messages is one conversation (user, assistant, user, ...); single-message
+    lines (the GSM8K sample) are chained, `num_turns` consecutive lines a conversation. Prompts are
+    in turn-major order (every conversation's turn 1, then turn 2, ...): with limited concurrency a
+    turn usually starts after the previous one finished, as in a chat."""
+    lines = _read_lines(path)
+    if num_turns < 1:
+        raise ValueError(f"workload.num_turns={num_turns} must be >= 1")
+    conversations = []
+    if any(len(item["messages"]) > 1 for item in lines):
+        for item in lines:
+            conversations.append(list(item["messages"]))
+    else:
+        for start in range(0, len(lines) - num_turns + 1, num_turns):
+            turns = []
+            for item in lines[start:start + num_turns]:
+                turns += [item["messages"][0], _worked_answer(item)]
+            conversations.append(turns[:-1])
+    if not conversations:
+        raise ValueError(f"workload.path={path}: fewer than workload.num_turns={num_turns} lines")
+    if num_prompts is None:  # every conversation once, each of its turns
+        num_conversations, num_prompts = len(conversations), len(conversations) * num_turns
+    else:
+        num_conversations = -(-num_prompts // num_turns)
+    prompts = []
+    for turn in range(num_turns):
+        for c in range(num_conversations):
+            messages = conversations[c % len(conversations)]
+            user_turns = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+            if turn >= len(user_turns) or len(prompts) == num_prompts:
+                continue
+            prompts.append(BenchPrompt(index=len(prompts), messages=messages[:user_turns[turn] + 1],
+                                       max_tokens=max_tokens, metadata={"conversation": c, "turn": turn}))
+    return prompts
+
+
 def random_prompts(tokenizer: Any, num_prompts: int, seed: int, input_len: Sequence[int],
                    output_len: Sequence[int]) -> list[BenchPrompt]:
     """Prompts of uniformly random ordinary token ids (special tokens excluded, so no <|mask|> or EOS)."""
@@ -93,6 +176,12 @@ def load_workload(cfg: DictConfig, tokenizer: Any = None) -> list[BenchPrompt]:
         path = Path(wl.path) if wl.path else sample_jsonl_path()
         max_tokens = wl.max_tokens if wl.max_tokens is not None else cfg.model.max_new_tokens
         return load_jsonl(path, wl.num_prompts, max_tokens)
+    if wl.kind in ("fewshot", "multiturn"):
+        path = Path(wl.path) if wl.path else sample_jsonl_path()
+        max_tokens = wl.max_tokens if wl.max_tokens is not None else cfg.model.max_new_tokens
+        if wl.kind == "fewshot":
+            return fewshot_prompts(path, wl.num_prompts, wl.num_shots, max_tokens)
+        return multiturn_prompts(path, wl.num_prompts, wl.num_turns, max_tokens)
     if wl.kind == "random":
         if tokenizer is None:
             raise ValueError("workload.kind=random needs the model's tokenizer")
@@ -100,4 +189,4 @@ def load_workload(cfg: DictConfig, tokenizer: Any = None) -> list[BenchPrompt]:
             raise ValueError("workload.kind=random needs workload.num_prompts (a number)")
         output_len = [wl.max_tokens] if wl.max_tokens is not None else list(wl.output_len)
         return random_prompts(tokenizer, wl.num_prompts, wl.seed, list(wl.input_len), output_len)
-    raise ValueError(f"workload.kind={wl.kind!r}: use jsonl or random")
+    raise ValueError(f"workload.kind={wl.kind!r}: use jsonl, fewshot, multiturn or random")

@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_scheduled_tokens: int = 512
     num_device_pages: int = 0  # <= 0: profile from free memory (GPU) or engine.cpu_kv_cache_gb (CPU)
+    enable_prefix_cache: bool = True  # reuse committed blocks' K/V across requests (paged KV layout)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class BenchConfig:
 @dataclass
 class WorkloadConfig:
     name: str = "gsm8k_sample"
-    kind: str = "jsonl"  # jsonl | random
+    kind: str = "jsonl"  # jsonl | fewshot | multiturn | random
     path: Optional[str] = None  # jsonl: file of {"messages": [...], "max_tokens"}; null -> the shipped sample
     num_prompts: Optional[int] = None  # null -> every prompt of the file (jsonl); random needs a number
     seed: int = 0
@@ -123,6 +124,8 @@ class WorkloadConfig:
     input_len: List[int] = field(default_factory=lambda: [128])  # random: [fixed] or [low, high]
     output_len: List[int] = field(default_factory=lambda: [128])
     scorer: Optional[str] = None  # gsm8k: final-number match; arith: the embedded task (strict)
+    num_shots: int = 5  # fewshot: exemplars (the file's first lines) before every question
+    num_turns: int = 3  # multiturn: user turns per conversation
 
 
 @dataclass

@@ -128,6 +128,10 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
             _check(eng.kv_cache_layout == "paged",
                    f"scheduler.policy={sched.policy} needs engine.kv_cache_layout=paged "
                    f"(got {eng.kv_cache_layout}); the dense layout runs with scheduler=static")
+        _check(not sched.enable_prefix_cache or eng.kv_cache_layout == "paged",
+               f"scheduler.enable_prefix_cache=true needs engine.kv_cache_layout=paged (got "
+               f"{eng.kv_cache_layout}): requests share cached pages, a dense slot is one request's; "
+               "set scheduler.enable_prefix_cache=false with the dense layout")
         if eng.page_size is None:
             eng.page_size = bl
         if sched.policy in ("paged", "dynamic"):

@@ -142,7 +142,8 @@ class LLMEngine:
             page_bytes = self._page_bytes()
             num_pages = min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // page_bytes, max_pages_useful)
         layout = cfg.engine.kv_cache_layout
-        self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length)
+        self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length,
+                                          enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
@@ -159,9 +160,9 @@ class LLMEngine:
         # Wall time of steps that ran a forward. A step ends on its one device->host copy, so the
         # sum is the GPU-bound time of the run even though a step's own span can absorb queued work.
         self.total_step_seconds = 0.0
-        log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s",
+        log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s, prefix cache %s",
                  cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
-                 cfg.scheduler.policy, cfg.attention.backend)
+                 cfg.scheduler.policy, cfg.attention.backend, "on" if cfg.scheduler.enable_prefix_cache else "off")
 
     # --- decoders the model can run ---
     def _missing_special_ids(self, decoder: str) -> list[str]:
@@ -247,6 +248,30 @@ class LLMEngine:
     @property
     def kv_total_pages(self) -> int:
         return self.block_manager.num_pages
+
+    @property
+    def kv_cached_pages(self) -> int:
+        """Pages holding prefix-cache blocks, in use or not; the unreferenced ones also count in
+        kv_free_pages (they are evicted when a request needs the page)."""
+        return self.block_manager.num_cached_pages
+
+    @property
+    def prefix_cache_queried_blocks(self) -> int:
+        """Final leading blocks looked up at admission (every admission, re-admissions too)."""
+        return self.block_manager.num_queried_blocks
+
+    @property
+    def prefix_cache_hit_blocks(self) -> int:
+        return self.block_manager.num_hit_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.block_manager.num_queried_blocks
+        return self.block_manager.num_hit_blocks / queried if queried else 0.0
+
+    def check_pages(self) -> None:
+        """Raise unless free + cached-unreferenced + in-use pages = total, with honest ref counts."""
+        self.block_manager.check(list(self.scheduler.running) + list(self.scheduler.waiting))
 
     def add_request(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:

@@ -94,6 +94,7 @@ class RequestStats:
     tokens_edited: int = 0  # token -> token edits (editing decoders)
     blocks_committed: int = 0
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
 
     @property
     def ttft_s(self) -> float:

@@ -128,8 +128,11 @@ class Scheduler:
         block commits, EOS / length / stop-string finishes. Returns the outputs to report."""
         now = time.perf_counter()
         for row in batch.rows:
-            row.request.num_cached_blocks = row.first_block + row.num_commit_blocks
-            row.request.state = RequestState.DECODING if row.decodes else RequestState.PREFILLING
+            request = row.request
+            request.num_cached_blocks = row.first_block + row.num_commit_blocks
+            request.state = RequestState.DECODING if row.decodes else RequestState.PREFILLING
+            # Their K/V is written now, from their final tokens: other requests may share it.
+            self.block_manager.cache_blocks(request, row.first_block, request.num_cached_blocks)
         outputs = []
         for i, row in enumerate(batch.decode_rows):
             request = row.request
@@ -197,11 +200,15 @@ class Scheduler:
         admit = barrier and (self.policy != "static" or not self.running)
         while admit and self.waiting and len(self.running) < self.max_num_seqs and budget_blocks > 0:
             request = self.waiting[0]
-            row = self._row_for(request, budget_blocks)
-            if not self.block_manager.can_allocate(request, row.first_block + row.num_blocks):
+            hits = self.block_manager.match(request)  # leading final blocks whose K/V is cached
+            row = self._row_for(request, budget_blocks, first_block=len(hits))
+            if not self.block_manager.can_allocate(request, row.first_block + row.num_blocks, hits):
                 break  # FIFO: no overtaking; pages come back as running requests finish
             self.waiting.popleft()
-            self.block_manager.allocate(request, row.first_block + row.num_blocks)
+            self.block_manager.allocate(request, row.first_block + row.num_blocks, hits)
+            request.num_cached_blocks = len(hits)
+            if not request.stats.preemptions:  # OpenAI's cached_tokens: prompt tokens served from the cache
+                request.stats.cached_tokens = len(hits) * self.block_length
             request.slot = self.free_slots.pop()
             request.state = RequestState.PREFILLING
             self.running.append(request)
@@ -211,11 +218,12 @@ class Scheduler:
             row.request.last_scheduled_step = self.num_steps
         return ScheduledBatch(rows, self.block_length)
 
-    def _row_for(self, request: Request, budget_blocks: int) -> ScheduledRow:
-        uncached = request.active_block - request.num_cached_blocks
+    def _row_for(self, request: Request, budget_blocks: int, first_block: Optional[int] = None) -> ScheduledRow:
+        first = request.num_cached_blocks if first_block is None else first_block
+        uncached = request.active_block - first
         if uncached + 1 <= budget_blocks:
-            return ScheduledRow(request, request.num_cached_blocks, uncached + 1, decodes=True)
-        return ScheduledRow(request, request.num_cached_blocks, min(uncached, budget_blocks), decodes=False)
+            return ScheduledRow(request, first, uncached + 1, decodes=True)
+        return ScheduledRow(request, first, min(uncached, budget_blocks), decodes=False)
 
     def _place(self, request: Request, budget_blocks: int, rows: list[ScheduledRow]) -> ScheduledRow | None:
         """A row for a running request, preempting the newest running requests if pages run out."""

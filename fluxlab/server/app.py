@@ -317,7 +317,10 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                  "num_running_reqs": snap.num_running,
                  "num_tokens": (snap.kv_total_pages - snap.kv_free_pages) * page_size,
                  "kv_free_pages": snap.kv_free_pages, "kv_total_pages": snap.kv_total_pages,
-                 "total_forwards": snap.total_forwards, "total_generated_tokens": snap.total_generated_tokens}]
+                 "total_forwards": snap.total_forwards, "total_generated_tokens": snap.total_generated_tokens,
+                 "kv_cached_pages": snap.kv_cached_pages,
+                 "prefix_cache_hit_rate": (snap.prefix_cache_hit_blocks / snap.prefix_cache_queried_blocks
+                                           if snap.prefix_cache_queried_blocks else 0.0)}]
 
     @app.get("/model_info", dependencies=guarded, responses=error_responses(401))
     @app.get("/get_model_info", dependencies=guarded, responses=error_responses(401))
@@ -369,6 +372,7 @@ def _usage(prompt_tokens: int, last: RequestOutput) -> dict:
     stats = last.stats
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(last.token_ids),
             "total_tokens": prompt_tokens + len(last.token_ids),
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
             "fluxlab": {"forwards": stats.forwards, "tokens_accepted": stats.tokens_accepted,
                         "tokens_edited": stats.tokens_edited,
                         "tokens_per_forward": round(stats.tokens_per_forward, 4),

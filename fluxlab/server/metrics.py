@@ -46,6 +46,12 @@ class _EngineCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", self.async_engine.num_waiting)
         yield gauge("kv_free_pages", "Free KV cache pages.", snap.kv_free_pages)
         yield gauge("kv_total_pages", "KV cache pages in the pool.", snap.kv_total_pages)
+        yield gauge("kv_cached_pages", "KV pages holding prefix-cache blocks (unreferenced ones also count as free).",
+                    snap.kv_cached_pages)
+        yield counter("prefix_cache_queries", "Final leading blocks (block_length tokens each) looked up in the prefix cache at admission.",
+                      snap.prefix_cache_queried_blocks)
+        yield counter("prefix_cache_hits", "Looked-up blocks found in the prefix cache (their K/V is reused).",
+                      snap.prefix_cache_hit_blocks)
         yield counter("generation_tokens", "Output tokens committed by the engine.", snap.total_generated_tokens)
         yield counter("forwards", "Model forwards run by the engine.", snap.total_forwards)
         yield counter("graph_forwards", "Forwards that replayed a CUDA graph (the rest ran eagerly).",
