@@ -134,19 +134,24 @@ class Scheduler:
             # Their K/V is written now, from their final tokens: other requests may share it.
             self.block_manager.cache_blocks(request, row.first_block, request.num_cached_blocks)
         outputs = []
+        # Host lists once per step: numpy scalar indexing per row costs more than the row's work.
+        filled, edited, final = out.filled.tolist(), out.edited.tolist(), out.final.tolist()
+        states = {name: values.tolist() for name, values in out.state.items()}
+        logged = out.logged.tolist() if out.logged is not None else None
         for i, row in enumerate(batch.decode_rows):
             request = row.request
             start, end = request.block_range(request.active_block)
             request.tokens[start:end] = out.blocks[i]
             request.stats.forwards += 1
-            request.stats.tokens_accepted += int(out.filled[i])
-            request.stats.tokens_edited += int(out.edited[i])
+            request.stats.tokens_accepted += filled[i]
+            request.stats.tokens_edited += edited[i]
             request.forwards_in_block += 1
-            request.decoder_state = {name: int(values[i]) for name, values in out.state.items()}
-            request.decoder_columns = {name: values[i].copy() for name, values in out.columns.items()}
-            if out.logged is not None and out.logged[i]:
+            request.decoder_state = {name: values[i] for name, values in states.items()}
+            if out.columns:
+                request.decoder_columns = {name: values[i].copy() for name, values in out.columns.items()}
+            if logged is not None and logged[i]:
                 request.decoder_log.append(out.log[i].copy())
-            if not out.final[i]:
+            if not final[i]:
                 continue
             request.commit_active_block()
             if request.params.stop and request.finish_reason in (None, "length") and self.text_stops is not None:
