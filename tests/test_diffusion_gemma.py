@@ -192,3 +192,27 @@ def test_loader_refuses_other_model_types(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llada2_moe"}))
     with pytest.raises(ValueError, match="expected 'diffusion_gemma'"):
         load_diffusion_gemma(tmp_path)
+
+
+@torch.no_grad()
+def test_untied_layer_scalars_load_per_pass(ckpt, tmp_path):
+    """transformers ties encoder and decoder text weights but not the `layer_scalar` buffers; a
+    checkpoint whose two passes scale differently must still match in both passes."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    for i, (enc, dec) in enumerate(zip(model.model.encoder.language_model.layers, model.model.decoder.layers)):
+        enc.layer_scalar.fill_(0.5 + 0.25 * i)
+        dec.layer_scalar.fill_(2.0 - 0.25 * i)
+    model.save_pretrained(str(tmp_path))
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert ref.model.encoder.language_model.layers[0].layer_scalar.item() == 0.5  # the premise holds
+    assert ref.model.decoder.layers[0].layer_scalar.item() == 2.0
+    ours = load_diffusion_gemma(tmp_path)
+    vocab = ours.embed_tokens.num_embeddings
+    prompt, canvas = _ids(11, vocab, 30), _ids(CANVAS_LENGTH, vocab, 31)
+    cache, ref_hidden = _ref_cache(ref, prompt)
+    kv = DenseKV()
+    assert (_encode(ours, kv, prompt, 0) - ref_hidden).abs().max().item() < TOL
+    ref_logits = ref(decoder_input_ids=canvas[None], cache=cache).logits[0]
+    assert (_denoise(ours, kv, canvas, len(prompt)) - ref_logits).abs().max().item() < TOL

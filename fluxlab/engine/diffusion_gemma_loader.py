@@ -2,7 +2,9 @@
 
 transformers ties the encoder's and the decoder's text weights (and lm_head to the embedding), so
 `save_pretrained` writes each shared tensor once, under either `model.encoder.language_model.` or
-`model.decoder.`; both prefixes map to the same fluxlab module. Vision weights are skipped.
+`model.decoder.`; both prefixes map to the same fluxlab module. The exception is each layer's
+`layer_scalar` buffer, which is not tied: the encoder's loads into `encoder_layer_scalar`.
+Vision weights are skipped.
 """
 from __future__ import annotations
 
@@ -44,7 +46,10 @@ def fluxlab_name(checkpoint_name: str) -> str | None:
         return None
     for prefix in _TEXT_PREFIXES:
         if checkpoint_name.startswith(prefix):
-            return checkpoint_name[len(prefix):]
+            name = checkpoint_name[len(prefix):]
+            if prefix == _TEXT_PREFIXES[0] and name.endswith(".layer_scalar"):
+                name = name.removesuffix("layer_scalar") + "encoder_layer_scalar"
+            return name
     raise ValueError(f"unexpected tensor {checkpoint_name!r} in a diffusion_gemma checkpoint")
 
 
@@ -61,8 +66,9 @@ def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu")
     model = model.to_empty(device=device).to(dtype)
     for name, inv_freq in _rope_buffers(model).items():
         setattr(model, name, inv_freq.to(device))  # registered buffer: replaced, kept fp32
-    for layer in model.layers:
-        layer.layer_scalar.fill_(1.0)  # transformers' init value, used when a checkpoint omits it
+    for layer in model.layers:  # transformers' init value, used when a checkpoint omits them
+        layer.layer_scalar.fill_(1.0)
+        layer.encoder_layer_scalar.fill_(1.0)
     targets = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
     filled = set()
     for file in _checkpoint_files(path):

@@ -98,22 +98,22 @@ class DiffusionGemmaModel(nn.Module):
             out[layer_type] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
 
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
         rope = self._rope(positions, h.dtype)
         for layer, layer_type in zip(self.layers, self.layer_types):
             cos, sin = rope[layer_type]
-            h = layer(h, cos, sin, attn)
+            h = layer(h, cos, sin, attn, encoder)
         return self.norm(h)
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        return self._layers(self.embed(ids), positions, attn)
+        return self._layers(self.embed(ids), positions, attn, encoder=True)
 
     def denoise(self, canvas_ids: torch.Tensor, positions: torch.Tensor, attn,
                 self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
         embeds = self.embed(canvas_ids)
         soft = (torch.zeros_like(embeds) if self_conditioning_logits is None
                 else self.soft_embed(self_conditioning_logits))
-        return self._layers(self.self_conditioning(embeds, soft), positions, attn)
+        return self._layers(self.self_conditioning(embeds, soft), positions, attn, encoder=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head, then fp32 soft-capping cap * tanh(logits / cap)."""

@@ -128,9 +128,11 @@ class GemmaDecoderLayer(nn.Module):
             setattr(self, name, GemmaRMSNorm(hidden_size, eps))
         self.router = GemmaRouter(hidden_size, num_experts, top_k, eps)
         self.experts = GemmaExperts(num_experts, hidden_size, moe_intermediate_size)
-        self.register_buffer("layer_scalar", torch.ones(1))
+        # transformers ties every encoder/decoder text weight except this buffer: one per pass.
+        self.register_buffer("layer_scalar", torch.ones(1))  # canvas (decoder) pass
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
@@ -138,4 +140,4 @@ class GemmaDecoderLayer(nn.Module):
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
         routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
         x = x + self.post_feedforward_layernorm(dense + routed)
-        return x * self.layer_scalar
+        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
