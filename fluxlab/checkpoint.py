@@ -153,6 +153,12 @@ def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str =
 
     if out is None:
         raise ValueError("write_checkpoint: out= (a directory) is required")
+    from fluxlab.checkpoint_diffusion_gemma import PRESET as DIFFUSION_GEMMA_PRESET
+
+    if preset == DIFFUSION_GEMMA_PRESET:  # written by transformers' own classes (checkpoint_diffusion_gemma.py)
+        from fluxlab.checkpoint_diffusion_gemma import write_diffusion_gemma_checkpoint
+
+        return write_diffusion_gemma_checkpoint(out, seed=seed, dtype=dtype)
     out = Path(out)
     torch_dtype = resolve_dtype(dtype)
     from fluxlab.engine.presets import TINY_PRESETS

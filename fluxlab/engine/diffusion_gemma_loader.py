@@ -1,0 +1,99 @@
+"""Load a Diffusion-Gemma checkpoint in transformers' layout into fluxlab's DiffusionGemmaModel.
+
+transformers ties the encoder's and the decoder's text weights (and lm_head to the embedding), so
+`save_pretrained` writes each shared tensor once, under either `model.encoder.language_model.` or
+`model.decoder.`; both prefixes map to the same fluxlab module. The exception is each layer's
+`layer_scalar` buffer, which is not tied: the encoder's loads into `encoder_layer_scalar`.
+Vision weights are skipped.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_TEXT_PREFIXES = ("model.encoder.language_model.", "model.decoder.")
+_SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+
+
+def read_text_config(path):
+    """transformers' DiffusionGemmaTextConfig from <path>/config.json (its own parsing, so per-layer
+    head dims, KV heads and RoPE come out exactly as transformers builds them)."""
+    from transformers import DiffusionGemmaConfig
+
+    config_file = Path(path) / "config.json"
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != "diffusion_gemma":
+        raise ValueError(f"{config_file}: model_type is {model_type!r}, expected 'diffusion_gemma'")
+    return DiffusionGemmaConfig.from_pretrained(str(path)).text_config
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return files
+
+
+def fluxlab_name(checkpoint_name: str) -> str | None:
+    """Checkpoint tensor name -> DiffusionGemmaModel parameter name (None: not part of the text model)."""
+    if checkpoint_name.startswith(_SKIPPED_PREFIXES):
+        return None
+    for prefix in _TEXT_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            name = checkpoint_name[len(prefix):]
+            if prefix == _TEXT_PREFIXES[0] and name.endswith(".layer_scalar"):
+                name = name.removesuffix("layer_scalar") + "encoder_layer_scalar"
+            return name
+    raise ValueError(f"unexpected tensor {checkpoint_name!r} in a diffusion_gemma checkpoint")
+
+
+def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu"):
+    """Build DiffusionGemmaModel from <path> and fill every parameter and buffer from its safetensors;
+    a missing or wrongly shaped tensor is an error naming it."""
+    from safetensors import safe_open
+
+    from fluxlab.engine.models.diffusion_gemma import DiffusionGemmaModel
+
+    path = Path(path)
+    with torch.device("meta"):
+        model = DiffusionGemmaModel(read_text_config(path))
+    model = model.to_empty(device=device).to(dtype)
+    for name, inv_freq in _rope_buffers(model).items():
+        setattr(model, name, inv_freq.to(device))  # registered buffer: replaced, kept fp32
+    for layer in model.layers:  # transformers' init value, used when a checkpoint omits them
+        layer.layer_scalar.fill_(1.0)
+        layer.encoder_layer_scalar.fill_(1.0)
+    targets = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
+    filled = set()
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = fluxlab_name(name)
+                if target is None or target in filled:
+                    continue
+                if target not in targets:
+                    raise ValueError(f"{file.name}: tensor {name!r} has no place in DiffusionGemmaModel")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(targets[target].shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, model expects "
+                                     f"{tuple(targets[target].shape)}")
+                with torch.no_grad():
+                    targets[target].copy_(tensor.to(dtype))
+                filled.add(target)
+    missing = sorted(set(targets) - filled - {n for n in targets if n.endswith("layer_scalar")})
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return model.eval()
+
+
+def _rope_buffers(model) -> dict[str, torch.Tensor]:
+    # inv_freq buffers are not in the checkpoint; rebuilt from the config, in fp32 as transformers keeps them.
+    from fluxlab.engine.models.diffusion_gemma import rope_inv_freqs
+
+    return {f"{t}_inv_freq": f for t, f in rope_inv_freqs(model.config).items()}

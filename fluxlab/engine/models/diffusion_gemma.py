@@ -1,0 +1,134 @@
+"""Diffusion-Gemma (`model_type: diffusion_gemma`, text part), written for the engine.
+
+One stack of Gemma-4 text layers serves both passes, as in transformers, where the encoder and the
+decoder tie every text weight:
+- `encode(ids, positions, attn)`: the prompt, or a committed canvas, causal; the backend writes K/V.
+- `denoise(canvas_ids, positions, attn, self_conditioning_logits)`: a canvas, bidirectional over
+  prefix + canvas, no K/V writes; the previous step's logits come back in as soft embeddings
+  through the self-conditioning MLP (zeros on the first step).
+Both return hidden states; `compute_logits` applies the tied head and the final soft-cap.
+The model sees flattened tokens, absolute positions and an attention backend with
+`attn.forward(layer_idx, q, k, v)` (diffusion_gemma_attention.py); never requests or masks.
+The vision tower is not built: text-only serving ignores it (its weights are skipped on load).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fluxlab.engine.models.diffusion_gemma_layers import GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
+
+
+def check_text_config(text_config) -> None:
+    """Refuse configs whose behaviour this model does not reproduce, naming the key."""
+    if getattr(text_config, "use_bidirectional_attention", None) == "all":
+        raise ValueError("diffusion_gemma: text_config.use_bidirectional_attention='all' (a bidirectional encoder) "
+                         "is not supported; transformers 5.24's own generate() also fails on it")
+    if text_config.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(f"diffusion_gemma: text_config.hidden_activation={text_config.hidden_activation!r} "
+                         "is not supported (only gelu_pytorch_tanh)")
+    if text_config.attention_bias:
+        raise ValueError("diffusion_gemma: text_config.attention_bias=true is not supported")
+    if not text_config.num_experts or not text_config.top_k_experts or not text_config.moe_intermediate_size:
+        raise ValueError("diffusion_gemma: text_config needs num_experts, top_k_experts and moe_intermediate_size "
+                         "(every Gemma-4 layer of this model has routed experts)")
+
+
+class SelfConditioning(nn.Module):
+    """Gated MLP over the previous step's soft embeddings, added to the token embeddings, then an
+    unscaled RMSNorm (transformers' DiffusionGemmaSelfConditioning)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float):
+        super().__init__()
+        self.pre_norm = GemmaRMSNorm(hidden_size, eps)
+        self.post_norm = GemmaRMSNorm(hidden_size, eps, with_scale=False)
+        mlp = GemmaMLP(hidden_size, intermediate_size)
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor) -> torch.Tensor:
+        h = self.pre_norm(soft_embeds)
+        signal = self.down_proj(F.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h))
+        return self.post_norm(embeds + signal)
+
+
+class DiffusionGemmaModel(nn.Module):
+    def __init__(self, text_config):
+        super().__init__()
+        check_text_config(text_config)
+        c = text_config
+        self.config = c
+        self.layer_types = list(c.layer_types)
+        self.sliding_window = c.sliding_window
+        self.final_logit_softcapping = c.final_logit_softcapping
+        self.embed_scale = c.hidden_size ** 0.5
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        layers = []
+        for i, layer_type in enumerate(self.layer_types):
+            per_layer = c.per_layer_config[i]  # full-attention layers carry their own head_dim / KV heads
+            layers.append(GemmaDecoderLayer(
+                i, c.hidden_size, c.intermediate_size, c.num_attention_heads, per_layer.num_key_value_heads,
+                per_layer.head_dim, layer_type == "sliding_attention", c.num_experts, c.top_k_experts,
+                c.moe_intermediate_size, c.rms_norm_eps))
+        self.layers = nn.ModuleList(layers)
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+        for layer_type, inv_freq in rope_inv_freqs(c).items():
+            self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
+
+    @property
+    def layer_is_sliding(self) -> list[bool]:
+        return [t == "sliding_attention" for t in self.layer_types]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
+        """Expected embedding under softmax(logits), scaled like token embeddings."""
+        w = self.embed_tokens.weight
+        probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for layer_type in set(self.layer_types):
+            freqs = positions[:, None].float() * getattr(self, f"{layer_type}_inv_freq").float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            out[layer_type] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return out
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
+        rope = self._rope(positions, h.dtype)
+        for layer, layer_type in zip(self.layers, self.layer_types):
+            cos, sin = rope[layer_type]
+            h = layer(h, cos, sin, attn, encoder)
+        return self.norm(h)
+
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        return self._layers(self.embed(ids), positions, attn, encoder=True)
+
+    def denoise(self, canvas_ids: torch.Tensor, positions: torch.Tensor, attn,
+                self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+        embeds = self.embed(canvas_ids)
+        soft = (torch.zeros_like(embeds) if self_conditioning_logits is None
+                else self.soft_embed(self_conditioning_logits))
+        return self._layers(self.self_conditioning(embeds, soft), positions, attn, encoder=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied head, then fp32 soft-capping cap * tanh(logits / cap)."""
+        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def rope_inv_freqs(text_config) -> dict[str, torch.Tensor]:
+    """Inverse frequencies per layer type, from transformers' own RoPE init (default for sliding
+    layers, proportional with zero frequencies on the unrotated dims for full-attention layers)."""
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextRotaryEmbedding
+
+    rope = DiffusionGemmaTextRotaryEmbedding(text_config)
+    for layer_type in set(text_config.layer_types):
+        if getattr(rope, f"{layer_type}_attention_scaling") != 1.0:
+            raise ValueError(f"diffusion_gemma: rope_parameters[{layer_type!r}] scales attention; not supported")
+    return {t: getattr(rope, f"{t}_inv_freq").clone() for t in set(text_config.layer_types)}

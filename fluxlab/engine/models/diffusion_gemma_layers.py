@@ -1,0 +1,143 @@
+"""Diffusion-Gemma (Gemma-4 text) layers: attention projections, dense MLP + routed experts.
+
+Module names mirror transformers' `DiffusionGemma*TextLayer` (so checkpoint names map 1:1 after
+the prefix), and each step follows transformers' order of operations so fp32 results agree to
+rounding. The attention math itself lives behind `CanvasAttentionBackend` (diffusion_gemma_attention.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma-4 RMSNorm: x * (mean(x^2) + eps)^-1/2 in fp32, times `weight` (not 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation over the whole head; proportional RoPE has cos=1, sin=0 on its unrotated dims."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class GemmaAttention(nn.Module):
+    """q/k/v projections with per-head q/k RMSNorm and an unscaled v norm; softmax scale is 1.
+
+    Full-attention layers have no v_proj: values are the k projection before k_norm/RoPE
+    (Gemma-4's k_eq_v), so one projection feeds both.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 has_v_proj: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False) if has_v_proj else None
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(head_dim, eps)
+        self.k_norm = GemmaRMSNorm(head_dim, eps)
+        self.v_norm = GemmaRMSNorm(head_dim, eps, with_scale=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        n = x.shape[0]
+        q = rotate(self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim)), cos, sin)
+        k_raw = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v_raw = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        k = rotate(self.k_norm(k_raw), cos, sin)
+        return q, k, self.v_norm(v_raw)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaRouter(nn.Module):
+    """Softmax over experts of an unscaled-RMSNorm'd, `scale`-weighted input; top-k renormalised,
+    then multiplied by a learned per-expert scale."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float):
+        super().__init__()
+        self.top_k = top_k
+        self.norm = GemmaRMSNorm(hidden_size, eps, with_scale=False)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+        self.root_size = hidden_size ** -0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(x) * self.scale * self.root_size)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+class GemmaExperts(nn.Module):
+    """Routed experts stored as transformers stores them: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in index.unique().tolist():
+            token, slot = torch.where(index == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Attention, then a dense MLP and routed experts side by side (each with its own norms), summed."""
+
+    def __init__(self, layer_idx: int, hidden_size: int, intermediate_size: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, is_sliding: bool, num_experts: int, top_k: int,
+                 moe_intermediate_size: int, eps: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = GemmaAttention(hidden_size, num_heads, num_kv_heads, head_dim, eps, has_v_proj=is_sliding)
+        self.mlp = GemmaMLP(hidden_size, intermediate_size)
+        for name in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"]:
+            setattr(self, name, GemmaRMSNorm(hidden_size, eps))
+        self.router = GemmaRouter(hidden_size, num_experts, top_k, eps)
+        self.experts = GemmaExperts(num_experts, hidden_size, moe_intermediate_size)
+        # transformers ties every encoder/decoder text weight except this buffer: one per pass.
+        self.register_buffer("layer_scalar", torch.ones(1))  # canvas (decoder) pass
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        o = attn.forward(self.layer_idx, q, k, v)
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
+        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
+        x = x + self.post_feedforward_layernorm(dense + routed)
+        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
