@@ -3,10 +3,13 @@ gives the tp_size=1 tokens and logits, a dead worker is an error (not a hang), s
 child process. `pytest -m gpu`: tp2_ep2 on two GPUs."""
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +63,14 @@ def assert_matches_tp1(llm: LLM, tp1: LLM, tp1_tokens) -> None:
     assert llm.engine.kv_free_pages == llm.engine.kv_total_pages
 
 
+def child_pids() -> list[int]:
+    """This process's live children (workers are plain subprocesses, not multiprocessing's)."""
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
 def assert_no_children(llm: LLM, exit_codes: tuple = (0,)) -> None:
     workers = list(llm.engine._workers.values())
     started = time.monotonic()
@@ -69,7 +80,7 @@ def assert_no_children(llm: LLM, exit_codes: tuple = (0,)) -> None:
     assert time.monotonic() - started < 10.0
     assert [p.exitcode for p in workers] == [exit_codes[i % len(exit_codes)] for i in range(len(workers))]
     assert not torch.distributed.is_initialized()
-    assert multiprocessing.active_children() == []
+    assert child_pids() == []
     for process in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(process.pid, 0)
@@ -96,6 +107,39 @@ def test_four_ranks_replicate_kv_heads_and_give_tp1_tokens(tp1, tp1_tokens):
         assert_no_children(llm)
 
 
+SCRIPT = """
+import json
+from fluxlab.llm import LLM
+from fluxlab.engine.request import SamplingParams
+llm = LLM(model="tiny_llada2", overrides={overrides!r})
+out = llm.generate({prompts!r}, SamplingParams(max_new_tokens={max_new}, temperature=0.0))
+print("RESULT", json.dumps({{"tokens": [o.token_ids for o in out],
+                            "workers": [w.pid for w in llm.engine._workers.values()]}}))
+{ending}
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "dash_c"])
+def test_tp2_runs_from_a_script_without_a_file(tp1_tokens, how):
+    """`python - <<EOF` used to kill the worker (spawn re-imported `<stdin>`: FileNotFoundError);
+    the -c script also skips shutdown(): the workers must still go at exit, with no semaphore leaked."""
+    ending = "llm.shutdown()" if how == "stdin" else ""
+    script = SCRIPT.format(overrides=[o for o in BASE if not o.startswith("model=")] + ["parallel=tp2"],
+                           prompts=PROMPTS, max_new=PARAMS.max_new_tokens, ending=ending)
+    cmd = [sys.executable, "-"] if how == "stdin" else [sys.executable, "-c", script]
+    root = Path(__file__).resolve().parent.parent  # this checkout's fluxlab, as the test process imports it
+    proc = subprocess.run(cmd, input=script if how == "stdin" else None, capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["tokens"] == tp1_tokens
+    assert "leaked semaphore" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for pid in result["workers"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_a_worker_killed_mid_run_is_an_error_naming_the_rank_not_a_hang():
     llm = parallel_llm("parallel=tp2_ep2")
     try:
@@ -118,7 +162,7 @@ def test_a_worker_failing_at_startup_is_reported_with_its_rank(monkeypatch):
     with pytest.raises(RuntimeError, match=r"(?s)rank 1.*injected startup failure on rank 1"):
         parallel_llm("parallel=tp2_ep2", "parallel.startup_timeout_s=30")
     assert time.monotonic() - started < 30
-    assert multiprocessing.active_children() == []
+    assert child_pids() == []
 
 
 def test_model_specific_parallel_rules_name_the_keys_and_the_model_numbers():
