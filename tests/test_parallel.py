@@ -51,10 +51,10 @@ def assert_matches_tp1(llm: LLM, tp1: LLM, tp1_tokens) -> None:
     got = [r.token_ids for r in llm.generate(PROMPTS, PARAMS)]
     assert got == tp1_tokens
     inputs = forward_inputs(tp1.engine.model_config.vocab_size)
-    want, _, _ = tp1.engine.runner.execute(inputs)
+    _, want, _, _ = tp1.engine.runner.execute(inputs)
     runner = llm.engine.runner
     runner.on_step(inputs)  # the workers run the same forward
-    logits, _, _ = runner.execute(inputs)
+    _, logits, _, _ = runner.execute(inputs)
     # Row-parallel sums only reorder fp32 additions. The tiny model's logits reach ~80, where one
     # fp32 ulp is ~1e-5, so the bound is 1e-5 of the logit scale (measured: ~3e-5 absolute).
     assert logits.shape == want.shape
@@ -138,6 +138,39 @@ def test_tp2_runs_from_a_script_without_a_file(tp1_tokens, how):
     for pid in result["workers"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_shard_statistics_combine_to_greedy_over_the_whole_row():
+    """Shard (max, log-sum-exp, argmax) merged on rank 0 pick greedy's token (lowest index on ties,
+    also across a shard boundary; padding never wins) and its probability within fp32 rounding."""
+    from fluxlab.kernels.vocab_stats import combine_shard_stats, greedy_torch, shard_stats
+
+    vocab = 1911
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 5
+    logits[0, [5, 1500]] = 50.0  # tie in different shards
+    logits[1, [955, 956]] = 60.0  # tie across the tp2 boundary
+    logits[2] = -30.0  # below the padding's zero logits
+    logits[2, 1910] = -20.0
+    want_tokens, want_prob = greedy_torch(logits)
+    for tp in (2, 4):
+        shard = -(-vocab // tp)
+        padded = torch.full((6, shard * tp), float("-inf"))
+        padded[:, :vocab] = logits
+        stats = torch.stack([shard_stats(padded[:, r * shard:(r + 1) * shard]) for r in range(tp)])
+        tokens, prob = combine_shard_stats(stats, shard)
+        assert tokens.tolist() == want_tokens.tolist() and tokens[:3].tolist() == [5, 955, 1910]
+        assert torch.allclose(prob, want_prob, rtol=1e-5, atol=0)
+
+
+def test_greedy_and_sampled_rows_in_one_tp2_batch_give_tp1_tokens(tp1):
+    """Greedy rows take the shard-statistics path, sampled rows the all-gathered logits, in the same step."""
+    params = [PARAMS, SamplingParams(max_new_tokens=32, temperature=0.8, top_k=50, seed=3), PARAMS]
+    want = [r.token_ids for r in tp1.generate(PROMPTS, params)]
+    llm = parallel_llm("parallel=tp2")
+    try:
+        assert [r.token_ids for r in llm.generate(PROMPTS, params)] == want
+    finally:
+        assert_no_children(llm)
 
 
 def test_a_worker_killed_mid_run_is_an_error_naming_the_rank_not_a_hang():
