@@ -5,8 +5,8 @@
 For each batch size B: B prompts decode to the end under tp1 and under the layout; the table gives
 the median engine step time of each, their difference (what TP costs the host path here: the CPU
 shards also halve the compute, so this is a lower bound of the control cost), and the bytes that
-cross ranks per step on the control path, counted at rank 0's collectives: the pickled StepInputs
-broadcast ((tp-1) copies), and the vocabulary path (an all-gather of fp32 logit shards is received
+cross ranks per step on the control path, counted at rank 0: the pickled StepInputs sent to the
+workers ((tp-1) copies; timed around the runner's on_step, whether gloo or a pipe carries it), and the vocabulary path (an all-gather of fp32 logit shards is received
 by every rank: tp*(tp-1)*shard; a gather to rank 0 only (tp-1)*shard). The forward's own all-reduces
 are timed (allred ms), not counted as control bytes.
 Rank 0 and each worker use one thread (FLUXLAB_WORKER_THREADS=1), so the ranks do not fight for cores.
@@ -36,20 +36,17 @@ def tensor_bytes(tensors) -> int:
 @contextmanager
 def counting_collectives(tp_size: int, counts: dict):
     """Wrap rank 0's control-path collectives to add their cross-rank bytes and time to counts."""
-    originals = {name: getattr(dist, name) for name in ("broadcast_object_list", "all_gather", "gather", "all_reduce")}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "gather", "all_reduce")}
 
     def timed(name, nbytes_of):
         def wrapper(*args, **kwargs):
             started = time.perf_counter()
             out = originals[name](*args, **kwargs)
-            key = {"broadcast_object_list": "step_broadcast", "all_reduce": "model_all_reduce"}.get(name, "vocab")
+            key = "model_all_reduce" if name == "all_reduce" else "vocab"
             counts[key + "_bytes"] += nbytes_of(*args, **kwargs)
             counts[key + "_s"] += time.perf_counter() - started
             return out
         return wrapper
-
-    def broadcast_bytes(objects, *a, **k):
-        return (tp_size - 1) * sum(len(pickle.dumps(o)) for o in objects)
 
     def all_gather_bytes(parts, tensor, *a, **k):
         return tp_size * (tp_size - 1) * tensor_bytes([tensor])
@@ -57,7 +54,6 @@ def counting_collectives(tp_size: int, counts: dict):
     def gather_bytes(tensor, *a, **k):
         return (tp_size - 1) * tensor_bytes([tensor])
 
-    dist.broadcast_object_list = timed("broadcast_object_list", broadcast_bytes)
     dist.all_gather = timed("all_gather", all_gather_bytes)
     dist.gather = timed("gather", gather_bytes)
     dist.all_reduce = timed("all_reduce", lambda tensor, *a, **k: 0)  # timed only: the forward's own traffic
@@ -85,6 +81,16 @@ def measure(layout: str, batch: int, max_new_tokens: int) -> dict:
         for i in range(batch):
             engine.add_request([(37 * i + 11 * j) % 1800 + 5 for j in range(24)], params)
         engine.step()  # prefill and the first decode
+        if engine.runner.on_step is not None:  # rank 0 -> workers: the step message, however it travels
+            send = engine.runner.on_step
+
+            def counted_send(inputs):
+                started = time.perf_counter()
+                send(inputs)
+                counts["step_broadcast_s"] += time.perf_counter() - started
+                counts["step_broadcast_bytes"] += (tp_size - 1) * len(pickle.dumps(inputs))
+
+            engine.runner.on_step = counted_send
         with counting_collectives(tp_size, counts):
             while engine.has_unfinished():
                 started = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import pickle
 import socket
 import threading
 import time
@@ -199,7 +200,12 @@ class ParallelEngine(RankEngine):
     def _broadcast_step(self, inputs) -> None:
         if self._failure is not None or self._dead_workers():
             raise EngineFatalError(self._failure or self._failure_report(wait_s=0.5))
-        dist.broadcast_object_list([inputs], src=0, group=self.runner_control)
+        self._send_step(inputs)
+
+    def _send_step(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for process in self._workers.values():
+            process.steps.send_bytes(data)  # BrokenPipeError if that worker is gone
 
     @property
     def runner_control(self):
@@ -234,7 +240,7 @@ class ParallelEngine(RankEngine):
         self._closed = True
         if graceful and not self._dead_workers() and self._failure is None:
             try:
-                dist.broadcast_object_list([SHUTDOWN], src=0, group=self._control)
+                self._send_step(SHUTDOWN)
             except Exception:  # noqa: BLE001
                 log.exception("could not send shutdown to the workers")
         deadline = time.monotonic() + (10.0 if graceful else 0.0)

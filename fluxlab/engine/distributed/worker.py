@@ -2,13 +2,14 @@
 
 It builds its model shard and runner through LLMEngine itself (same profiling forward, same KV
 page count, same CUDA graph captures, so every collective happens in the same order on every
-rank), reports ready, then executes each StepInputs rank 0 broadcasts until it gets None. Started as `python -m fluxlab.engine.distributed.worker`
+rank), reports ready, then executes each StepInputs rank 0 sends on its step pipe until it gets None. Started as `python -m fluxlab.engine.distributed.worker`
 (process.py says why not multiprocessing spawn).
 """
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import sys
 import traceback
@@ -60,7 +61,7 @@ class RankEngine(LLMEngine):
         return int(pages.item())
 
 
-def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
+def worker_main(cfg_container: dict, rank: int, port: int, messages, steps) -> None:
     """Process body: build, report ("ready" | "error", rank, traceback) on `messages` (a
     Connection), serve steps."""
     from omegaconf import OmegaConf
@@ -84,11 +85,10 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
         sys.exit(1)
     try:
         while True:
-            box = [SHUTDOWN]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0] is SHUTDOWN:
+            inputs = pickle.loads(steps.recv_bytes())  # EOFError when rank 0 is gone
+            if inputs is SHUTDOWN:
                 break
-            engine.runner.execute(box[0])
+            engine.runner.execute(inputs)
     except BaseException:  # noqa: BLE001
         messages.send(("error", rank, traceback.format_exc()))
         sys.exit(1)
@@ -102,5 +102,5 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
 if __name__ == "__main__":
     from fluxlab.engine.distributed.process import read_payload
 
-    _payload, _messages = read_payload()
-    worker_main(_payload["cfg"], _payload["rank"], _payload["port"], _messages)
+    _payload, _messages, _steps = read_payload()
+    worker_main(_payload["cfg"], _payload["rank"], _payload["port"], _messages, _steps)
