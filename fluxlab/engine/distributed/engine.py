@@ -1,7 +1,7 @@
 """ParallelEngine: TP/EP rank 0 in the calling process, tp_size - 1 spawned workers in lockstep.
 
-Rank 0 alone schedules and decodes; before each forward it broadcasts the step's StepInputs over
-a gloo control group, then every rank runs the same forward. A worker that dies turns the next
+Rank 0 alone schedules and decodes; before each forward it sends the step's StepInputs (pickled
+once) down each worker's step pipe, then every rank runs the same forward. A worker that dies turns the next
 step (or the one in flight) into a RuntimeError naming its rank and exit code; one that fails
 while starting is reported with its rank and traceback within parallel.startup_timeout_s.
 """
