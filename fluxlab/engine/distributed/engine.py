@@ -207,10 +207,6 @@ class ParallelEngine(RankEngine):
         for process in self._workers.values():
             process.steps.send_bytes(data)  # BrokenPipeError if that worker is gone
 
-    @property
-    def runner_control(self):
-        return self._control
-
     def step(self):
         if self._closed:
             raise RuntimeError("the tensor-parallel engine is shut down")
