@@ -3,10 +3,13 @@ gives the tp_size=1 tokens and logits, a dead worker is an error (not a hang), s
 child process. `pytest -m gpu`: tp2_ep2 on two GPUs."""
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,16 +51,24 @@ def assert_matches_tp1(llm: LLM, tp1: LLM, tp1_tokens) -> None:
     got = [r.token_ids for r in llm.generate(PROMPTS, PARAMS)]
     assert got == tp1_tokens
     inputs = forward_inputs(tp1.engine.model_config.vocab_size)
-    want, _, _ = tp1.engine.runner.execute(inputs)
+    _, want, _, _ = tp1.engine.runner.execute(inputs)
     runner = llm.engine.runner
     runner.on_step(inputs)  # the workers run the same forward
-    logits, _, _ = runner.execute(inputs)
+    _, logits, _, _ = runner.execute(inputs)
     # Row-parallel sums only reorder fp32 additions. The tiny model's logits reach ~80, where one
     # fp32 ulp is ~1e-5, so the bound is 1e-5 of the logit scale (measured: ~3e-5 absolute).
     assert logits.shape == want.shape
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
     assert torch.equal(logits.argmax(-1), want.argmax(-1))
     assert llm.engine.kv_free_pages == llm.engine.kv_total_pages
+
+
+def child_pids() -> list[int]:
+    """This process's live children (workers are plain subprocesses, not multiprocessing's)."""
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids += [int(c) for c in (task / "children").read_text().split()]
+    return pids
 
 
 def assert_no_children(llm: LLM, exit_codes: tuple = (0,)) -> None:
@@ -69,7 +80,7 @@ def assert_no_children(llm: LLM, exit_codes: tuple = (0,)) -> None:
     assert time.monotonic() - started < 10.0
     assert [p.exitcode for p in workers] == [exit_codes[i % len(exit_codes)] for i in range(len(workers))]
     assert not torch.distributed.is_initialized()
-    assert multiprocessing.active_children() == []
+    assert child_pids() == []
     for process in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(process.pid, 0)
@@ -96,6 +107,76 @@ def test_four_ranks_replicate_kv_heads_and_give_tp1_tokens(tp1, tp1_tokens):
         assert_no_children(llm)
 
 
+SCRIPT = """
+import json
+from fluxlab.llm import LLM
+from fluxlab.engine.request import SamplingParams
+llm = LLM(model="tiny_llada2", overrides={overrides!r})
+out = llm.generate({prompts!r}, SamplingParams(max_new_tokens={max_new}, temperature=0.0))
+print("RESULT", json.dumps({{"tokens": [o.token_ids for o in out],
+                            "workers": [w.pid for w in llm.engine._workers.values()]}}))
+{ending}
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "dash_c"])
+def test_tp2_runs_from_a_script_without_a_file(tp1_tokens, how):
+    """`python - <<EOF` used to kill the worker (spawn re-imported `<stdin>`: FileNotFoundError);
+    the -c script also skips shutdown(): the workers must still go at exit, with no semaphore leaked."""
+    ending = "llm.shutdown()" if how == "stdin" else ""
+    script = SCRIPT.format(overrides=[o for o in BASE if not o.startswith("model=")] + ["parallel=tp2"],
+                           prompts=PROMPTS, max_new=PARAMS.max_new_tokens, ending=ending)
+    cmd = [sys.executable, "-"] if how == "stdin" else [sys.executable, "-c", script]
+    root = Path(__file__).resolve().parent.parent  # this checkout's fluxlab, as the test process imports it
+    proc = subprocess.run(cmd, input=script if how == "stdin" else None, capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["tokens"] == tp1_tokens
+    assert "leaked semaphore" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for pid in result["workers"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_shard_statistics_combine_to_greedy_over_the_whole_row():
+    """Shard (max, log-sum-exp, argmax) merged on rank 0 pick greedy's token (lowest index on ties,
+    also across a shard boundary; padding never wins) and its probability within fp32 rounding."""
+    from fluxlab.kernels.vocab_stats import combine_shard_stats, greedy_torch, shard_stats
+
+    vocab = 1911
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 5
+    logits[0, [5, 1500]] = 50.0  # tie in different shards
+    logits[1, [955, 956]] = 60.0  # tie across the tp2 boundary
+    logits[2] = -30.0  # below the padding's zero logits
+    logits[2, 1910] = -20.0
+    want_tokens, want_prob = greedy_torch(logits)
+    for tp in (2, 4):
+        shard = -(-vocab // tp)
+        padded = torch.full((6, shard * tp), float("-inf"))
+        padded[:, :vocab] = logits
+        stats = torch.stack([shard_stats(padded[:, r * shard:(r + 1) * shard]) for r in range(tp)])
+        tokens, prob = combine_shard_stats(stats, shard)
+        assert tokens.tolist() == want_tokens.tolist() and tokens[:3].tolist() == [5, 955, 1910]
+        assert torch.allclose(prob, want_prob, rtol=1e-5, atol=0)
+
+
+def test_greedy_and_sampled_rows_in_one_tp2_batch_give_tp1_tokens():
+    """Greedy rows take the shard-statistics path, sampled rows the all-gathered logits, in the same step."""
+    params = [PARAMS, SamplingParams(max_new_tokens=32, temperature=0.8, top_k=50, seed=3), PARAMS]
+    # A fresh tp1: the shared one's pages 0-1 were overwritten by forward_inputs, and its prefix
+    # cache would serve these prompts from them.
+    reference = LLM(overrides=BASE)
+    want = [r.token_ids for r in reference.generate(PROMPTS, params)]
+    reference.shutdown()
+    llm = parallel_llm("parallel=tp2")
+    try:
+        assert [r.token_ids for r in llm.generate(PROMPTS, params)] == want
+    finally:
+        assert_no_children(llm)
+
+
 def test_a_worker_killed_mid_run_is_an_error_naming_the_rank_not_a_hang():
     llm = parallel_llm("parallel=tp2_ep2")
     try:
@@ -118,7 +199,7 @@ def test_a_worker_failing_at_startup_is_reported_with_its_rank(monkeypatch):
     with pytest.raises(RuntimeError, match=r"(?s)rank 1.*injected startup failure on rank 1"):
         parallel_llm("parallel=tp2_ep2", "parallel.startup_timeout_s=30")
     assert time.monotonic() - started < 30
-    assert multiprocessing.active_children() == []
+    assert child_pids() == []
 
 
 def test_model_specific_parallel_rules_name_the_keys_and_the_model_numbers():

@@ -18,7 +18,7 @@ def spawned_workers(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
     return [c for c in children
-            if "spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+            if "fluxlab.engine.distributed.worker" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
 
 
 def test_a_dead_worker_takes_the_server_down_with_a_clear_message(tmp_path):

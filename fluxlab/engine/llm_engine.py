@@ -192,7 +192,7 @@ class LLMEngine:
                           [(0, 1, r * bl < decoding, [r]) for r in range(rows)], np.arange(decoding))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        logits, _, _ = probe.execute(fake)
+        _, logits, _, _ = probe.execute(fake)
         if self.special.delete_id is not None:
             self._probe_levenshtein_step(logits.view(-1, bl, logits.shape[-1]))
         del logits

@@ -31,13 +31,15 @@ log = logging.getLogger("fluxlab.engine")
 @dataclass
 class StepInputs:
     """One forward's inputs as host arrays: flattened tokens and positions, per row (first_block,
-    num_blocks, decodes, page_table), and the flat token indices whose logits are needed. Rank 0
-    broadcasts it to TP workers."""
+    num_blocks, decodes, page_table), and the flat token indices whose logits are needed, the first
+    num_greedy of them greedy positions (argmax + probability only; under TP no full logits cross
+    ranks for them). Rank 0 broadcasts it to TP workers."""
 
     token_ids: np.ndarray
     positions: np.ndarray
     rows: list[tuple[int, int, bool, list[int]]]
     logit_index: np.ndarray
+    num_greedy: int = 0
 
     @property
     def num_segments(self) -> int:
@@ -162,7 +164,7 @@ class ModelRunner:
         log_len = np.array([len(r.decoder_log) for r in decoding], dtype=np.int64)
         decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
                                      full_rows, log_len, sorted({r.params.decoder for r in decoding}))
-        return StepInputs(token_ids, positions, rows, logit_index), decode_inputs
+        return StepInputs(token_ids, positions, rows, logit_index, len(greedy_target)), decode_inputs
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""
@@ -189,15 +191,18 @@ class ModelRunner:
         extra = [] if decode_inputs is None else [decode_inputs.slots, decode_inputs.block_index,
                                                   decode_inputs.greedy_target, decode_inputs.full_rows,
                                                   decode_inputs.log_len]
-        logits, ids, extra_dev = self.execute(inputs, extra)
+        greedy, logits, ids, extra_dev = self.execute(inputs, extra)
         if decode_inputs is None:
             return None
-        return self._decode(decode_inputs, logits, ids, *extra_dev)
+        return self._decode(decode_inputs, greedy, logits, ids, *extra_dev)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, extra: list[np.ndarray] = ()
-                ) -> tuple[Optional[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-        """(logits at inputs.logit_index [P, V] or None, input ids on the device, `extra` uploaded)."""
+                ) -> tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[torch.Tensor], torch.Tensor,
+                           list[torch.Tensor]]:
+        """((argmax, probability) of the first num_greedy logit rows or None (also on TP workers),
+        logits of the other logit rows [P - num_greedy, V] or None, input ids on the device, `extra`
+        uploaded)."""
         bl = self.block_length
         rows = [(first, n, table) for first, n, _, table in inputs.rows]
         pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
@@ -217,17 +222,19 @@ class ModelRunner:
                 meta = AttentionMetadata(slot_mapping, rows)
             self.attention.begin(meta)
             hidden = self.model(ids, pos, self.attention)
-        if logit_index.shape[0] == 0:
-            return None, ids, extra_dev
-        return self.model.compute_logits(hidden[logit_index], fp32=self.fp32_logits), ids, extra_dev
+        num_greedy = inputs.num_greedy
+        greedy = logits = None
+        if num_greedy:
+            greedy = self.model.compute_greedy_stats(hidden[logit_index[:num_greedy]], fp32=self.fp32_logits)
+        if logit_index.shape[0] > num_greedy:
+            logits = self.model.compute_logits(hidden[logit_index[num_greedy:]], fp32=self.fp32_logits)
+        return greedy, logits, ids, extra_dev
 
     # --- the decode step ---
     @torch.inference_mode()
-    def _decode(self, inputs: DecodeInputs, logits: Optional[torch.Tensor], ids: torch.Tensor, slots: torch.Tensor,
-                block_index: torch.Tensor, greedy_target: torch.Tensor, full_rows: torch.Tensor,
-                log_len: torch.Tensor) -> StepOutput:
-        from fluxlab.kernels.vocab_stats import greedy_stats
-
+    def _decode(self, inputs: DecodeInputs, greedy: Optional[tuple[torch.Tensor, torch.Tensor]],
+                logits: Optional[torch.Tensor], ids: torch.Tensor, slots: torch.Tensor, block_index: torch.Tensor,
+                greedy_target: torch.Tensor, full_rows: torch.Tensor, log_len: torch.Tensor) -> StepOutput:
         bl = self.block_length
         num = len(inputs.requests)
         state_store = self.step_state
@@ -235,13 +242,12 @@ class ModelRunner:
         block = ids[block_index].view(num, bl)  # the active blocks as the forward read them
         tokens = block.clone().view(-1)
         conf = torch.zeros(num * bl, dtype=torch.float32, device=self.device)
-        num_greedy = greedy_target.shape[0]
-        if num_greedy:
-            greedy_tokens, greedy_conf = greedy_stats(logits[:num_greedy])
+        if greedy is not None:
+            greedy_tokens, greedy_conf = greedy
             tokens.index_copy_(0, greedy_target, greedy_tokens)
             conf.index_copy_(0, greedy_target, greedy_conf)
         tokens, conf = tokens.view(num, bl), conf.view(num, bl)
-        full_logits = logits[num_greedy:].view(len(inputs.full_rows), bl, -1) if len(inputs.full_rows) else None
+        full_logits = logits.view(len(inputs.full_rows), bl, -1) if len(inputs.full_rows) else None
         for j, r in enumerate(inputs.full_rows.tolist()):
             request = inputs.requests[r]
             p = request.params

@@ -56,10 +56,8 @@ def _num_splits(rows: int, vocab: int, block: int) -> int:
     return max(1, min(want, vocab // (4 * block)))
 
 
-def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] (any float dtype) -> (argmax [N] int64, probability of it [N] fp32)."""
-    if not HAVE_TRITON or (logits.device.type != "cuda" and not _interpret()) or logits.shape[0] == 0:
-        return greedy_torch(logits)
+def _kernel_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per vocabulary slice: (max, sum of exp(x - max), first index of the max), each [N, splits]."""
     logits = logits.contiguous()
     rows, vocab = logits.shape
     block = 2048
@@ -72,7 +70,46 @@ def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _stats_kernel[(rows, splits)](logits, logits.stride(0), vocab, chunk, part_max, part_sum, part_idx, splits,
                                   BLOCK=block)
+    return part_max, part_sum, part_idx
+
+
+def _use_kernel(logits: torch.Tensor) -> bool:
+    return HAVE_TRITON and (logits.device.type == "cuda" or _interpret()) and logits.shape[0] > 0
+
+
+def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] (any float dtype) -> (argmax [N] int64, probability of it [N] fp32)."""
+    if not _use_kernel(logits):
+        return greedy_torch(logits)
+    part_max, part_sum, part_idx = _kernel_parts(logits)
     top, which = part_max.max(dim=-1)  # the first slice holding the max: the lowest index wins ties
     total = (part_sum * torch.exp(part_max - top[:, None])).sum(dim=-1)
     tokens = part_idx.gather(1, which[:, None]).squeeze(1).long()
     return tokens, 1.0 / total
+
+
+def shard_stats(logits: torch.Tensor) -> torch.Tensor:
+    """A vocabulary shard's statistics for greedy rows: logits [N, V_shard] -> [N, 3] fp32 of
+    (max, log-sum-exp, first index of the max). The index travels as fp32, exact below 2**24."""
+    assert logits.shape[-1] < 2 ** 24, "argmax index not exact in fp32"
+    if _use_kernel(logits):
+        part_max, part_sum, part_idx = _kernel_parts(logits)
+        top, which = part_max.max(dim=-1)
+        lse = top + torch.log((part_sum * torch.exp(part_max - top[:, None])).sum(dim=-1))
+        index = part_idx.gather(1, which[:, None]).squeeze(1)
+    else:
+        logits = logits.float()
+        top, index = logits.max(dim=-1)
+        lse = torch.logsumexp(logits, dim=-1)
+    return torch.stack([top, lse, index.float()], dim=-1)
+
+
+def combine_shard_stats(stats: torch.Tensor, shard_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, N, 3] shard statistics (shard s holds vocabulary ids [s * shard_size, (s + 1) * shard_size))
+    -> (argmax [N] int64, its probability [N] fp32), as greedy_stats over the whole row: the first
+    shard holding the max wins ties, so the lowest index does; log-sum-exp is merged around the max."""
+    top, lse, index = stats.unbind(-1)  # each [S, N]
+    best, shard = top.max(dim=0)  # first shard with the max
+    total_lse = best + torch.log(torch.exp(lse - best[None, :]).sum(dim=0))
+    tokens = shard * shard_size + index.gather(0, shard[None, :]).squeeze(0).long()
+    return tokens, torch.exp(best - total_lse)

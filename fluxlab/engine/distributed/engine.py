@@ -1,14 +1,15 @@
 """ParallelEngine: TP/EP rank 0 in the calling process, tp_size - 1 spawned workers in lockstep.
 
-Rank 0 alone schedules and decodes; before each forward it broadcasts the step's StepInputs over
-a gloo control group, then every rank runs the same forward. A worker that dies turns the next
+Rank 0 alone schedules and decodes; before each forward it sends the step's StepInputs (pickled
+once) down each worker's step pipe, then every rank runs the same forward. A worker that dies turns the next
 step (or the one in flight) into a RuntimeError naming its rank and exit code; one that fails
 while starting is reported with its rank and traceback within parallel.startup_timeout_s.
 """
 from __future__ import annotations
 
+import atexit
 import logging
-import queue
+import pickle
 import socket
 import threading
 import time
@@ -16,10 +17,10 @@ from multiprocessing.connection import wait as wait_sentinels
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fluxlab.engine.request import EngineFatalError
-from fluxlab.engine.distributed.worker import SHUTDOWN, RankEngine, init_distributed, rank_device, worker_main
+from fluxlab.engine.distributed.process import WorkerProcess
+from fluxlab.engine.distributed.worker import SHUTDOWN, RankEngine, init_distributed, rank_device
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
 
 if TYPE_CHECKING:
@@ -68,15 +69,13 @@ class ParallelEngine(RankEngine):
         self._worker_errors: dict[int, str] = {}
         self._closed = False
         self._in_step_since: float | None = None
+        self._messages_lock = threading.Lock()
         port = free_port()
-        ctx = mp.get_context("spawn")
-        self._messages = ctx.Queue()
         container = OmegaConf.to_container(cfg, resolve=True)
-        self._workers = {rank: ctx.Process(target=worker_main, args=(container, rank, port, self._messages),
-                                           name=f"fluxlab-tp-rank{rank}", daemon=True)
+        self._workers = {rank: WorkerProcess(rank, {"cfg": container, "port": port})
                          for rank in range(1, par.tp_size)}
-        for process in self._workers.values():
-            process.start()
+        # Like a daemon process: a script that never calls shutdown() leaves no worker behind.
+        atexit.register(self._kill_workers)
         cfg0 = OmegaConf.create(container)
         cfg0.engine.device = rank_device(cfg.engine.device, 0)
         try:
@@ -122,22 +121,34 @@ class ParallelEngine(RankEngine):
     def _await_ready(self, deadline: float) -> None:
         pending = set(self._workers)
         while pending:
-            try:
-                kind, rank, detail = self._messages.get(timeout=0.2)
-            except queue.Empty:
-                dead = self._dead_workers()
-                if dead:
+            messages = self._poll_messages(timeout=0.2)
+            for kind, rank, detail in messages:
+                if kind == "error":
+                    self._worker_errors[rank] = detail
                     raise RuntimeError(self._failure_report(wait_s=1.0))
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"tensor-parallel rank(s) {sorted(pending)} not ready within "
-                                       f"parallel.startup_timeout_s={self.startup_timeout_s:g}")
+                pending.discard(rank)
+            if messages:
                 continue
-            if kind == "error":
-                self._worker_errors[rank] = detail
+            if self._dead_workers():
                 raise RuntimeError(self._failure_report(wait_s=1.0))
-            pending.discard(rank)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel rank(s) {sorted(pending)} not ready within "
+                                   f"parallel.startup_timeout_s={self.startup_timeout_s:g}")
 
     # --- failures ---
+    def _poll_messages(self, timeout: float) -> list[tuple]:
+        """The (kind, rank, detail) messages the workers sent within timeout; a closed pipe (its
+        worker exited) sends nothing."""
+        with self._messages_lock:  # the monitor thread reads them too
+            pipes = [w.messages for w in self._workers.values() if not w.messages.closed]
+            got = []
+            for pipe in wait_sentinels(pipes, timeout=timeout):
+                try:
+                    got.append(pipe.recv())
+                except (EOFError, OSError):
+                    pipe.close()
+            return got
+
     def _dead_workers(self) -> dict[int, int]:
         return {rank: p.exitcode for rank, p in self._workers.items() if p.exitcode is not None}
 
@@ -146,13 +157,12 @@ class ParallelEngine(RankEngine):
         deadline = time.monotonic() + wait_s
         errors = self._worker_errors  # kept: a report may be asked for twice
         while True:
-            try:
-                kind, rank, detail = self._messages.get(timeout=0.05)
+            messages = self._poll_messages(timeout=0.05)
+            for kind, rank, detail in messages:
                 if kind == "error":
                     errors[rank] = detail
+            if messages:
                 continue
-            except (queue.Empty, OSError, ValueError):
-                pass
             if errors or self._dead_workers() or time.monotonic() > deadline:
                 break
         dead = self._dead_workers()
@@ -164,7 +174,10 @@ class ParallelEngine(RankEngine):
         """Notice a worker's death at once (not at the next step) and unblock a stuck NCCL step."""
         sentinels = {p.sentinel: rank for rank, p in self._workers.items()}
         while sentinels and not self._closed:
-            ready = wait_sentinels(list(sentinels), timeout=1.0)
+            try:
+                ready = wait_sentinels(list(sentinels), timeout=1.0)
+            except (OSError, ValueError):  # shutdown closed the pidfds under us
+                return
             if self._closed or not ready:
                 continue
             self._failure = self._failure_report(wait_s=0.5)
@@ -187,11 +200,12 @@ class ParallelEngine(RankEngine):
     def _broadcast_step(self, inputs) -> None:
         if self._failure is not None or self._dead_workers():
             raise EngineFatalError(self._failure or self._failure_report(wait_s=0.5))
-        dist.broadcast_object_list([inputs], src=0, group=self.runner_control)
+        self._send_step(inputs)
 
-    @property
-    def runner_control(self):
-        return self._control
+    def _send_step(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for process in self._workers.values():
+            process.steps.send_bytes(data)  # BrokenPipeError if that worker is gone
 
     def step(self):
         if self._closed:
@@ -222,12 +236,15 @@ class ParallelEngine(RankEngine):
         self._closed = True
         if graceful and not self._dead_workers() and self._failure is None:
             try:
-                dist.broadcast_object_list([SHUTDOWN], src=0, group=self._control)
+                self._send_step(SHUTDOWN)
             except Exception:  # noqa: BLE001
                 log.exception("could not send shutdown to the workers")
         deadline = time.monotonic() + (10.0 if graceful else 0.0)
         for process in self._workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
         for process in self._workers.values():
             if process.is_alive():
                 process.terminate()
@@ -235,7 +252,8 @@ class ParallelEngine(RankEngine):
             if process.is_alive():
                 process.kill()
                 process.join()
-        self._messages.close()
+            process.close()
+        atexit.unregister(self._kill_workers)
 
     @staticmethod
     def _leave_group(timeout_s: float = 15.0) -> None:

@@ -2,12 +2,14 @@
 
 It builds its model shard and runner through LLMEngine itself (same profiling forward, same KV
 page count, same CUDA graph captures, so every collective happens in the same order on every
-rank), reports ready, then executes each StepInputs rank 0 broadcasts until it gets None.
+rank), reports ready, then executes each StepInputs rank 0 sends on its step pipe until it gets None. Started as `python -m fluxlab.engine.distributed.worker`
+(process.py says why not multiprocessing spawn).
 """
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import sys
 import traceback
@@ -59,8 +61,9 @@ class RankEngine(LLMEngine):
         return int(pages.item())
 
 
-def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
-    """Process entry (spawn): build, report ("ready" | "error", rank, traceback), serve steps."""
+def worker_main(cfg_container: dict, rank: int, port: int, messages, steps) -> None:
+    """Process body: build, report ("ready" | "error", rank, traceback) on `messages` (a
+    Connection), serve steps."""
     from omegaconf import OmegaConf
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
@@ -76,22 +79,28 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages) -> None:
             torch.set_num_threads(int(os.environ.get("FLUXLAB_WORKER_THREADS", "1")))
         control = init_distributed(cfg, rank, port)
         engine = RankEngine(cfg, control)
-        messages.put(("ready", rank, None))
+        messages.send(("ready", rank, None))
     except BaseException:  # noqa: BLE001 - report to rank 0, whatever it is
-        messages.put(("error", rank, traceback.format_exc()))
+        messages.send(("error", rank, traceback.format_exc()))
         sys.exit(1)
     try:
         while True:
-            box = [SHUTDOWN]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0] is SHUTDOWN:
+            inputs = pickle.loads(steps.recv_bytes())  # EOFError when rank 0 is gone
+            if inputs is SHUTDOWN:
                 break
-            engine.runner.execute(box[0])
+            engine.runner.execute(inputs)
     except BaseException:  # noqa: BLE001
-        messages.put(("error", rank, traceback.format_exc()))
+        messages.send(("error", rank, traceback.format_exc()))
         sys.exit(1)
     # No process-group teardown: rank 0 aborts its side, and a graceful NCCL destroy here can wait
     # forever on the peer. Exiting frees this rank's communicators and memory.
     engine.runner.release_graphs()
     logging.shutdown()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    from fluxlab.engine.distributed.process import read_payload
+
+    _payload, _messages, _steps = read_payload()
+    worker_main(_payload["cfg"], _payload["rank"], _payload["port"], _messages, _steps)

@@ -280,3 +280,10 @@ class LLaDA2MoeModel(nn.Module):
         predicts its own token (no shift)."""
         h = rms_norm(hidden, self.norm.weight, self.norm.eps)
         return self.lm_head.logits(h, fp32)
+
+    @torch.no_grad()
+    def compute_greedy_stats(self, hidden: torch.Tensor, fp32: bool = True):
+        """(argmax, its probability) per position for greedy rows: under TP only per-shard
+        statistics cross ranks, to rank 0 (the other ranks get None)."""
+        h = rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return self.lm_head.greedy_stats(h, fp32)
