@@ -37,10 +37,25 @@ def tp1_tokens(tp1) -> list[list[int]]:
     return [r.token_ids for r in tp1.generate(PROMPTS, PARAMS)]
 
 
-def forward_inputs(vocab_size: int) -> StepInputs:
-    """One prefill+decode row of two blocks on pages 0 and 1 (free once a generate returned)."""
+def direct_forward(llm: LLM):
+    """Logits of one prefill+decode row of two blocks, run through the runner directly, on two pages
+    the block manager hands out and takes back: a page the prefix cache holds is never overwritten."""
+    from fluxlab.engine.sequence import Request
+
+    engine = llm.engine
+    vocab_size = engine.model_config.vocab_size
     ids = np.array([(7 * i + 3) % vocab_size for i in range(2 * BL)])
-    return StepInputs(ids, np.arange(2 * BL), [(0, 2, True, [0, 1])], np.arange(BL, 2 * BL))
+    holder = Request("direct-forward", ids.tolist(), SamplingParams(max_new_tokens=1, steps=1), BL,
+                     engine.mask_id, engine.eos_ids)
+    engine.block_manager.allocate(holder, 2)
+    try:
+        inputs = StepInputs(ids, np.arange(2 * BL), [(0, 2, True, list(holder.page_table))], np.arange(BL, 2 * BL))
+        if engine.runner.on_step is not None:
+            engine.runner.on_step(inputs)  # the workers run the same forward
+        _, logits, _, _ = engine.runner.execute(inputs)
+        return logits
+    finally:
+        engine.block_manager.free(holder)
 
 
 def parallel_llm(*overrides: str) -> LLM:
@@ -50,11 +65,8 @@ def parallel_llm(*overrides: str) -> LLM:
 def assert_matches_tp1(llm: LLM, tp1: LLM, tp1_tokens) -> None:
     got = [r.token_ids for r in llm.generate(PROMPTS, PARAMS)]
     assert got == tp1_tokens
-    inputs = forward_inputs(tp1.engine.model_config.vocab_size)
-    _, want, _, _ = tp1.engine.runner.execute(inputs)
-    runner = llm.engine.runner
-    runner.on_step(inputs)  # the workers run the same forward
-    _, logits, _, _ = runner.execute(inputs)
+    want = direct_forward(tp1)
+    logits = direct_forward(llm)
     # Row-parallel sums only reorder fp32 additions. The tiny model's logits reach ~80, where one
     # fp32 ulp is ~1e-5, so the bound is 1e-5 of the logit scale (measured: ~3e-5 absolute).
     assert logits.shape == want.shape
