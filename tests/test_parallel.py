@@ -177,7 +177,6 @@ def test_shard_statistics_combine_to_greedy_over_the_whole_row():
 def test_greedy_and_sampled_rows_in_one_tp2_batch_give_tp1_tokens():
     """Greedy rows take the shard-statistics path, sampled rows the all-gathered logits, in the same step."""
     params = [PARAMS, SamplingParams(max_new_tokens=32, temperature=0.8, top_k=50, seed=3), PARAMS]
-    # Its own tp1 engine: the sampled row's generator must start fresh, as in the tp2 engine.
     reference = LLM(overrides=BASE)
     want = [r.token_ids for r in reference.generate(PROMPTS, params)]
     reference.shutdown()
