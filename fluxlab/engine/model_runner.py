@@ -264,13 +264,14 @@ class ModelRunner:
         # a logging decoder reads its rows' history up to the longest log in the batch, plus the row it appends
         history = (state_store.gather_history(slots, int(inputs.log_len.max()) + 1)
                    if any(d.logs for d in present) else None)
+        # Columns of the decoders in this batch only: read, updated, stored and shipped to the host.
+        columns = sorted({c for d in present for c in d.columns})
         batch = DecodeBatch(tokens, conf, block, masked, editable, knobs, state, self.mask_id,
-                            columns=state_store.gather_columns(slots), history=history,
+                            columns=state_store.gather_columns(slots, columns), history=history,
                             history_len=log_len, logits=full_logits, logit_rows=full_rows, special=self.special)
         result = decode(batch, decoder_ids, inputs.decoders)
         state_store.store(slots, result.state, result.columns, result.log, result.logged, log_len)
         names = state_store.state_names
-        columns = sorted({c for d in present for c in d.columns})  # shipped for the decoders present only
         parts = ([result.block, result.filled[:, None], result.edited[:, None], result.final[:, None].long()]
                  + [result.state[n][:, None] for n in names] + [result.columns[c] for c in columns])
         if result.log is not None:

@@ -80,9 +80,12 @@ class StepState:
         state = {s: ints[:, self._state_col + i] for i, s in enumerate(self.state_names)}
         return knobs, ints[:, self._decoder_col], ints[:, self._prompt_col], state
 
-    def gather_columns(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gather_columns(self, slots: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+        """The given seats' columns of `names` (the batch's decoders'; the others are not read)."""
+        if not names:
+            return {}
         columns = self.columns[slots]
-        return {name: columns[:, j] for j, name in enumerate(self.column_names)}
+        return {name: columns[:, self.column_names.index(name)] for name in names}
 
     def gather_history(self, slots: torch.Tensor, rows: int) -> torch.Tensor:
         """[R, rows, bl]: the first `rows` history rows of the given seats; the step may append at
@@ -105,9 +108,10 @@ class StepState:
               log: Optional[torch.Tensor] = None, logged: Optional[torch.Tensor] = None,
               log_len: Optional[torch.Tensor] = None) -> None:
         """Scatter a step's new decoder state back; `log` rows are appended at `log_len` where `logged`."""
-        for i, name in enumerate(self.state_names):
-            self.ints[:, self._state_col + i].index_copy_(0, slots, state[name])
-        for j, name in enumerate(self.column_names):
-            self.columns[:, j].index_copy_(0, slots, columns[name])
+        if self.state_names:  # one scatter for every counter
+            block = self.ints[:, self._state_col:self._state_col + len(self.state_names)]
+            block.index_copy_(0, slots, torch.stack([state[n] for n in self.state_names], dim=1))
+        for name, values in columns.items():
+            self.columns[:, self.column_names.index(name)].index_copy_(0, slots, values)
         if log is not None:  # gather_history reserved a row at log_len for every row
             self.history[slots, log_len] = torch.where(logged[:, None], log, self.history[slots, log_len])

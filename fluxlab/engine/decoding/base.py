@@ -80,12 +80,13 @@ class Decoder:
         return DecoderStep(block, accepted.fill.sum(-1), accepted.edit.sum(-1), final, state)
 
     def accept(self, batch: DecodeBatch) -> Accepted:
-        raise NotImplementedError
+        """Which masks to fill and which tokens to edit (decoders that keep the default `step`)."""
+        raise TypeError(f"decoder {self.name!r} neither overrides step() nor implements accept()")
 
     def finish(self, batch: DecodeBatch, accepted: Accepted, masks_left: torch.Tensor
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(final [R] bool, new state): the block-final rule, after `accepted` is applied."""
-        raise NotImplementedError
+        raise TypeError(f"decoder {self.name!r} neither overrides step() nor implements finish()")
 
 
 def most_confident(score: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
