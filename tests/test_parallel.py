@@ -79,7 +79,10 @@ def child_pids() -> list[int]:
     """This process's live children (workers are plain subprocesses, not multiprocessing's)."""
     pids = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            pids += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
     return pids
 
 
