@@ -212,11 +212,12 @@ def levenshtein_step(logits: torch.Tensor, block: torch.Tensor, prompt_len: torc
     history_at = state.history[rows, :, escape_pos]  # [R, H]
     row_logits = logits[rows, escape_pos].clone()  # [R, V]: one position per row
     row_logits[:, mask_id] = -torch.inf
-    row_logits[rows, cand[rows, escape_pos]] = -torch.inf
+    # scatter_ with a scalar, not index_put_: a graph cannot capture index_put_'s host-side scalar copy
+    row_logits.scatter_(1, cand[rows, escape_pos][:, None], -torch.inf)
     pending = repeat
     for _ in range(escape_retries):
         alt = row_logits.argmax(-1)
-        row_logits[rows, alt] = -torch.inf
+        row_logits.scatter_(1, alt[:, None], -torch.inf)
         written = torch.where(at & pending[:, None], alt[:, None], written)
         pending = pending & (same_elsewhere & (history_at == alt[:, None])).any(-1)
 
