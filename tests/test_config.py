@@ -41,7 +41,8 @@ def test_required_group_options_exist():
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_group_option_composes_and_validates(group):
+def test_every_group_option_composes_and_validates(group, monkeypatch):
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)  # the [gpu] extra, not on CPU CI
     for option in options(group):
         cuda = option in ("flashinfer", "fa4")
         cfg, _ = valid([f"{group}={option}"], cuda=cuda)
@@ -217,6 +218,27 @@ def test_float32_on_cuda_uses_sdpa_and_refuses_flashinfer():
     with pytest.raises(ConfigError) as err:
         valid(["attention=sdpa", "attention.use_decode_cuda_graph=true"], cuda=True)
     assert "attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer" in str(err.value)
+
+
+def test_fa4_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)
+    with pytest.raises(ConfigError, match="attention.backend=fa4 needs a CUDA device but engine.device=cpu"):
+        valid(["attention=fa4"])
+    with pytest.raises(ConfigError, match="attention.backend=fa4 has no float32 kernels"):
+        valid(["attention=fa4", "engine.dtype=float32"], cuda=True)
+    cfg, _ = valid(["attention=fa4", "attention.use_decode_cuda_graph=true",
+                    "attention.use_prefill_cuda_graph=true"], cuda=True)  # FA4 runs under graphs
+    assert cfg.attention.backend == "fa4"
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"attention.backend=fa4 needs flash_attn.cute \(pip install flash-attn-4"):
+        valid(["attention=fa4"], cuda=True)
+
+
+def test_fa4_package_probe_imports_nothing_heavy():
+    from fluxlab.config.validate import _fa4_installed
+
+    assert _fa4_installed() in (True, False)
+    assert "flash_attn.cute.interface" not in sys.modules
 
 
 def test_a_model_that_is_not_on_disk_is_a_clear_error_not_a_traceback():

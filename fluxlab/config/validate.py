@@ -27,6 +27,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _fa4_installed() -> bool:
+    """Whether flash_attn.cute (PyPI flash-attn-4) can be found; imports neither it nor torch."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # no flash_attn, or a flash_attn package that fails to import
+        return False
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -160,9 +170,12 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         _check(on_cuda or attn.backend == "sdpa",
                f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
                "use attention=sdpa on CPU")
-        _check(attn.backend != "flashinfer" or eng.dtype != "float32",
-               "attention.backend=flashinfer has no float32 kernels (engine.dtype=float32); use attention=sdpa "
+        _check(attn.backend not in ("flashinfer", "fa4") or eng.dtype != "float32",
+               f"attention.backend={attn.backend} has no float32 kernels (engine.dtype=float32); use attention=sdpa "
                "or engine.dtype=bfloat16")
+        _check(attn.backend != "fa4" or _fa4_installed(),
+               "attention.backend=fa4 needs flash_attn.cute (pip install flash-attn-4==4.0.0b36, or the [gpu] extra); "
+               "use attention=flashinfer or attention=sdpa")
         _check(attn.cuda_graph_decode_mode in ("padded", "decomposed"),
                f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode!r}: use padded or decomposed")
         if attn.use_cuda_graph:
@@ -170,8 +183,8 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
         _check(not graphs or on_cuda,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
-        _check(not graphs or attn.backend == "flashinfer",
-               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer "
+        _check(not graphs or attn.backend in ("flashinfer", "fa4"),
+               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer or fa4 "
                f"(got {attn.backend})")
         if attn.cuda_graph_capture_bs is None:
             sizes, b = [], 1
