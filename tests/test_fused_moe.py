@@ -166,5 +166,24 @@ def test_fused_moe_cuda_graph_replay_tracks_new_routing():
     torch.testing.assert_close(out, fused_moe(x, idx, wts, w_gate_up, w_down), rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
+    """Products of bf16 numbers are exact in fp32: the bf16 GEMM with fp32 output differs from the
+    fp32 GEMM only by summation order, far below bf16 resolution."""
+    from fluxlab.engine.layers.moe import _mm_fp32_out, router_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 2048 ** -0.5
+    assert _mm_fp32_out(x.device), "torch.mm(out_dtype=float32) is the router's GPU path"
+    got = router_logits(x, w)
+    want = (x.double() @ w.double().t())
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    fp32 = torch.nn.functional.linear(x.float(), w.float())
+    assert ((fp32.double() - want).norm() / want.norm()).item() < 1e-6  # the path it replaces, same class
+
+
 if __name__ == "__main__":
     _interpreter_checks()
