@@ -103,6 +103,38 @@ def test_grouped_mm_moe_matches_moe_forward_cpu():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_tuned_table_gives_the_config_of_the_nearest_tuned_token_count(tmp_path, monkeypatch):
+    import json
+
+    from fluxlab.kernels import fused_moe as fm
+
+    monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
+    shape = fm.shape_key(256, 2048, 512, 8, torch.bfloat16)
+    table = {"configs": {shape: {"512": {"BLOCK_M": 32, "BLOCK_N1": 128, "ms": 0.4},
+                                 "2048": {"BLOCK_M": 64, "WARPS2": 8, "ms": 0.5}}}}
+    fm.device_table_path("Test GPU (tuned)").write_text(json.dumps(table))
+    assert fm.device_table_path("Test GPU (tuned)").name == "Test_GPU_tuned.json"
+    assert fm.tuned_config(600, shape, "Test GPU (tuned)") == fm.MoEConfig(BLOCK_M=32, BLOCK_N1=128)
+    assert fm.tuned_config(1500, shape, "Test GPU (tuned)") == fm.MoEConfig(BLOCK_M=64, WARPS2=8)  # log2 nearer 2048
+    assert fm.tuned_config(9000, shape, "Test GPU (tuned)").BLOCK_M == 64
+    assert fm.tuned_config(512, fm.shape_key(128, 2048, 512, 8, torch.bfloat16), "Test GPU (tuned)") is None
+    assert fm.tuned_config(512, shape, "Untuned GPU") is None
+
+
+def test_shipped_tables_hold_only_valid_configs():
+    import dataclasses
+    import json
+
+    from fluxlab.kernels.fused_moe import CONFIG_DIR, MoEConfig
+
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    for path in CONFIG_DIR.glob("*.json"):
+        for shape, entries in json.loads(path.read_text())["configs"].items():
+            for tokens, entry in entries.items():
+                cfg = MoEConfig(**{k: v for k, v in entry.items() if k in fields})
+                assert int(tokens) > 0 and cfg.BLOCK_M in (16, 32, 64, 128), (path.name, shape, tokens)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 def _gpu_case(hidden, inter, num_tokens, num_experts=256, top_k=8, seed=0):
