@@ -207,8 +207,9 @@ def main() -> None:
         backend, *flags = variant.split("+")
         graphs = "graph" in flags
         if tp > 1:
-            extra = [f"attention={backend}", f"attention.use_decode_cuda_graph={str(graphs).lower()}",
-                     f"attention.cuda_graph_capture_bs=[{','.join(map(str, sizes))}]"]
+            extra = [f"attention={backend}"] + ([
+                "attention.use_decode_cuda_graph=true", f"attention.cuda_graph_capture_bs=[{','.join(map(str, sizes))}]"]
+                if graphs else [])
             vcfg = compose("generate", overrides + extra)
             validate_config(vcfg)
             return make_engine(vcfg)
