@@ -236,7 +236,7 @@ def main() -> None:
     mean_prompt = statistics.mean(len(p) for p in prompts)
     results = {"ceilings": ceilings, "preset": args.preset, "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "rows": []}
-    for variant in args.variants.split(","):
+    for variant in filter(None, args.variants.split(",")):
         run_engine = None
         try:
             t0 = time.perf_counter()
@@ -282,7 +282,7 @@ def main() -> None:
         ttft_floor = prefill_floor + (args.steps - 1) * step_floor  # prefill (+ first step), then steps - 1 more
         results["ttft"] = {"concurrency": conc, "prefill_segments": segments, "floor_ms": ttft_floor,
                            "prefill_floor_ms": prefill_floor, "rows": []}
-        for variant in args.ttft_variants.split(","):
+        for variant in filter(None, args.ttft_variants.split(",")):
             try:
                 run_engine = variant_engine(variant, decode_segments)
                 run_ttft(run_engine, ttft_prompts, args.steps, args.block)  # warm-up (JIT at these shapes)
