@@ -89,7 +89,7 @@ def test_fa4_graph_replay_follows_new_rows():
     from fluxlab.engine.layers.attention_fa4 import Fa4Attention
 
     device, bl, segs = torch.device("cuda"), 32, 8
-    rows = random_rows(4, 60, random.Random(7))
+    rows = random_rows(4, 60, random.Random(7), max_blocks=2)  # <= 6 segments in 3 rows: padding left
     (eager_cache, graph_cache), (q, k, v) = _paged_case([(0, segs, [0] * segs)])
     eager = Fa4Attention(eager_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8)
     graphed = Fa4Attention(graph_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8,

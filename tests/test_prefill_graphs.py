@@ -13,7 +13,7 @@ def _llm(*overrides):
 
     return LLM(overrides=["model=llada2_mini", "model.preset=small", "model.load_format=random", "engine.device=cuda",
                           "engine.dtype=bfloat16", "decoding.block_length=32", "decoding.steps=8",
-                          "model.max_model_len=512", "scheduler.max_num_seqs=4", "scheduler.max_scheduled_tokens=1024",
+                          "model.max_model_len=1024", "scheduler.max_num_seqs=4", "scheduler.max_scheduled_tokens=1024",
                           *overrides])
 
 

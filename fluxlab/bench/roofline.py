@@ -187,7 +187,8 @@ def main() -> None:
                  f"model={args.preset}", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
                  f"decoding.block_length={args.block}", f"decoding.steps={args.steps}", "attention=sdpa",
                  f"scheduler.max_num_seqs={max_bs}", f"scheduler.max_scheduled_tokens={max_bs * args.block * 2}",
-                 "model.max_model_len=1024"]
+                 "model.max_model_len=1024",
+                 "scheduler.enable_prefix_cache=false"]  # repeated prompts must prefill again (TTFT trials)
     if args.moe_backend:
         overrides.append(f"engine.moe_backend={args.moe_backend}")
     if args.parallel:
