@@ -202,7 +202,8 @@ def test_fused_moe_cuda_graph_replay_tracks_new_routing():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
     """Products of bf16 numbers are exact in fp32: the bf16 GEMM with fp32 output differs from the
-    fp32 GEMM only by summation order, far below bf16 resolution."""
+    fp32 GEMM only in how the tensor cores accumulate, far below bf16 resolution (H200, torch 2.11:
+    2.1e-6 relative to fp64 against the fp32 GEMM's 1.7e-7; bf16's step is 4e-3)."""
     from fluxlab.engine.layers.moe import _mm_fp32_out, router_logits
 
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -212,9 +213,11 @@ def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
     got = router_logits(x, w)
     want = (x.double() @ w.double().t())
     assert got.dtype == torch.float32
-    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
     fp32 = torch.nn.functional.linear(x.float(), w.float())
-    assert ((fp32.double() - want).norm() / want.norm()).item() < 1e-6  # the path it replaces, same class
+    assert ((fp32.double() - want).norm() / want.norm()).item() < 1e-6  # the path it replaces
+    # the experts chosen from these logits are the fp32 GEMM's
+    assert torch.equal(got.topk(8).indices.sort().values, fp32.topk(8).indices.sort().values)
 
 
 if __name__ == "__main__":
