@@ -216,8 +216,9 @@ def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
     fp32 = torch.nn.functional.linear(x.float(), w.float())
     assert ((fp32.double() - want).norm() / want.norm()).item() < 1e-6  # the path it replaces
-    # the experts chosen from these logits are the fp32 GEMM's
-    assert torch.equal(got.topk(8).indices.sort().values, fp32.topk(8).indices.sort().values)
+    # the experts chosen from these logits are the fp32 GEMM's (up to rare near-ties)
+    same = (got.topk(8).indices.sort().values == fp32.topk(8).indices.sort().values).all(dim=1)
+    assert same.float().mean().item() >= 0.99
 
 
 if __name__ == "__main__":
