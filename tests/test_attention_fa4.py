@@ -35,6 +35,95 @@ def test_segment_tables_hold_the_pages_flashinfer_plans():
         assert (table[s, used[s]:] == 63).all()  # a real page past the segment's keys
 
 
+def _reference_fa4(q, k_pages, v_pages, *, page_table, seqused_k, softmax_scale, causal):
+    """flash_attn.cute.flash_attn_varlen_func's paged contract in torch (CPU stand-in): q [B, Sq, Hq, D],
+    pages [P, page, Hkv, D]; batch b attends, non-causally here, to the first seqused_k[b] keys of its
+    pages in page_table order. Returns (out, lse) like the package."""
+    assert not causal and page_table.dtype == torch.int32 and seqused_k.dtype == torch.int32
+    batch, _, heads, dim = q.shape
+    groups = heads // k_pages.shape[2]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n = int(seqused_k[b])
+        keys = k_pages[page_table[b].long()].flatten(0, 1)[:n].repeat_interleave(groups, dim=1)
+        values = v_pages[page_table[b].long()].flatten(0, 1)[:n].repeat_interleave(groups, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[b].float(), keys.float()) * softmax_scale
+        out[b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.float()).to(q.dtype)
+    return out, None
+
+
+@pytest.fixture
+def reference_fa4(monkeypatch):
+    import sys
+    import types
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = lambda q, k, v, **kw: _reference_fa4(q, k, v, **kw)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
+
+
+@pytest.mark.parametrize("graph_segments", [0, 12])  # eager tables, and fixed graph buffers with padding
+def test_fa4_backend_matches_sdpa_through_the_package_contract(reference_fa4, graph_segments):
+    """The backend's glue (q view, page tables, seqused_k, padding segments) on CPU in fp32, with a
+    torch stand-in for the FA4 kernel: the block-causal rule, as sdpa applies it."""
+    from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
+    from fluxlab.engine.layers.attention_fa4 import Fa4Attention
+
+    device, bl = torch.device("cpu"), 8
+    rows = random_rows(5, 40, random.Random(11), max_blocks=3)
+    gen = torch.Generator().manual_seed(0)
+    caches = [KVCache(1, 41, bl, 2, 16, torch.float32, device) for _ in range(2)]
+    caches[0].k.normal_(generator=gen)
+    caches[0].v.normal_(generator=gen)
+    for c in caches[1:]:
+        c.k.copy_(caches[0].k)
+        c.v.copy_(caches[0].v)
+    n = sum(r[1] for r in rows)
+    q, k, v = (torch.randn(n * bl, h, 16, generator=gen) for h in (4, 2, 2))
+    sdpa = SdpaAttention(caches[0])
+    sdpa.begin(build_metadata(rows, bl, device))
+    want = sdpa.forward(0, q, k, v)
+    fa4 = Fa4Attention(caches[1], device, num_qo_heads=4, head_dim=16, max_blocks_per_seq=8,
+                       graph_segments=graph_segments)
+    meta = build_metadata(rows, bl, device, dense=False)
+    if graph_segments:  # as the graph runner replays: real rows, then scratch segments on page 40
+        pad = graph_segments - n
+        fa4.meta = AttentionMetadata(torch.cat([meta.slot_mapping, torch.arange(40 * bl, 41 * bl).repeat(pad)]), [])
+        fa4.plan(rows + [(0, 1, [40])] * pad)
+        q, k, v = (torch.cat([t, torch.zeros(pad * bl, *t.shape[1:])]) for t in (q, k, v))
+        got = fa4.forward(0, q, k, v)[:n * bl]
+    else:
+        fa4.begin(meta)
+        got = fa4.forward(0, q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0].k[0, :40], caches[1].k[0, :40])
+
+
+def test_engine_with_the_fa4_backend_gives_the_sdpa_tokens(reference_fa4, tiny_ckpt, one_thread):
+    """The runner's eager path with attention=fa4 (CPU, fp32, the torch stand-in kernel): prefill
+    chunks, decode and commit + decode rows give the tokens sdpa gives."""
+    from fluxlab.engine.model_runner import ModelRunner
+    from fluxlab.engine.request import SamplingParams
+    from fluxlab.llm import LLM
+
+    llm = LLM(overrides=[f"model.path={tiny_ckpt}", "model=tiny_llada2", "engine.device=cpu", "engine.dtype=float32",
+                         "decoding.block_length=32", "model.max_model_len=512", "scheduler.max_num_seqs=4",
+                         "scheduler.enable_prefix_cache=false"])  # the swapped-in runner has its own empty pages
+    text = "Janet has 16 eggs and sells the rest at the market for two dollars each. " * 8
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[:20 + 29 * i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    want = [r.token_ids for r in llm.generate(prompts, params)]
+    engine = llm.engine
+    sdpa = engine.runner
+    engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, engine.device,
+                                engine.dtype, "fa4", engine.max_model_len // engine.block_length,
+                                engine.cfg.scheduler.max_num_seqs, engine.mask_id, sdpa.special)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == want
+    assert engine.runner.num_eager_forwards > 0
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 def _fa4():
