@@ -10,5 +10,5 @@ setup(
     packages=find_namespace_packages(include=["fluxlab", "fluxlab.*", "hydra_plugins", "hydra_plugins.*"],
                                      exclude=["fluxlab.assets", "fluxlab.assets.*"]) + list(CONFIG_TREES),
     package_dir=CONFIG_TREES,
-    package_data={"fluxlab": ["assets/*", "assets/*/*"], **{name: ["**/*.yaml"] for name in CONFIG_TREES}},
+    package_data={"fluxlab": ["assets/*", "assets/*/*", "kernels/moe_configs/*.json"], **{name: ["**/*.yaml"] for name in CONFIG_TREES}},
 )

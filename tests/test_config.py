@@ -41,7 +41,8 @@ def test_required_group_options_exist():
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_group_option_composes_and_validates(group):
+def test_every_group_option_composes_and_validates(group, monkeypatch):
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)  # the [gpu] extra, not on CPU CI
     for option in options(group):
         cuda = option in ("flashinfer", "fa4")
         cfg, _ = valid([f"{group}={option}"], cuda=cuda)
@@ -94,6 +95,8 @@ def test_table_defaults():
 def test_resolution_of_auto_and_null_keys():
     cfg, _ = valid(["scheduler.max_num_seqs=12"])
     assert cfg.engine.page_size == 64 and cfg.decoding.steps == 64 and cfg.attention.backend == "sdpa"
+    assert cfg.attention.cuda_graph_capture_bs is None  # no decode graphs read it
+    cfg, _ = valid(["scheduler.max_num_seqs=12", "attention.use_decode_cuda_graph=true"], cuda=True)
     assert cfg.attention.cuda_graph_capture_bs == [1, 2, 4, 8, 12]
     cfg, _ = valid([], cuda=True)
     assert cfg.engine.device == "cuda" and cfg.attention.backend == "flashinfer"
@@ -113,7 +116,7 @@ RULES = [
     (["engine.page_size=32"], "engine.page_size=32 must equal decoding.block_length=64"),
     (["model.max_model_len=1000"], "model.max_model_len=1000 must be divisible by decoding.block_length=64"),
     (["scheduler.max_scheduled_tokens=500"], "scheduler.max_scheduled_tokens=500 must be divisible by decoding.block_length=64"),
-    (["attention.cuda_graph_capture_bs=[1,16]"], "attention.cuda_graph_capture_bs=[1, 16]: each must be in [1, scheduler.max_num_seqs=8]"),
+    (["attention.cuda_graph_capture_bs=[1,16]"], "attention.cuda_graph_capture_bs=[1, 16] sizes decode graphs, which are off"),
     (["engine.kv_cache_layout=dense"], "scheduler.policy=paged needs engine.kv_cache_layout=paged"),
     (["scheduler=dynamic", "engine.kv_cache_layout=dense"], "scheduler.policy=dynamic needs engine.kv_cache_layout=paged"),
     (["scheduler=static", "engine.kv_cache_layout=dense"],
@@ -130,6 +133,12 @@ RULES = [
     (["decoding.decoder=nosuch"], "decoding.decoder='nosuch': use one of threshold, hierarchy, joint_threshold"),
     (["engine.device=cuda"], "engine.device='cuda' but no CUDA device is visible"),
     (["attention.use_decode_cuda_graph=true"], "attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device"),
+    (["attention.cuda_graph_capture_bs=[1,2]"],
+     "attention.cuda_graph_capture_bs=[1, 2] sizes decode graphs, which are off: set attention.use_decode_cuda_graph=true"),
+    (["attention.cuda_graph_capture_sizes=[128]"],
+     "attention.cuda_graph_capture_sizes=[128] sizes prefill graphs, which are off: set attention.use_prefill_cuda_graph=true"),
+    (["attention.cuda_graph_decode_mode=decomposed"],
+     "attention.cuda_graph_decode_mode=decomposed chooses how batches replay CUDA graphs, which are off"),
 ]
 
 
@@ -140,8 +149,25 @@ def test_each_rule_names_its_keys(overrides, message):
     assert message in str(err.value)
 
 
+def test_a_resolved_config_validates_again():
+    """The bench hands a validated config's resolved keys to `serve`, which validates them again."""
+    for overrides, cuda in ((["model.max_model_len=512"], False),
+                            (["attention.use_decode_cuda_graph=true", "attention.use_prefill_cuda_graph=true",
+                              "model.max_model_len=512"], True)):
+        cfg, _ = valid(overrides, cuda=cuda)
+        again = OmegaConf.to_container(cfg, resolve=True)
+        validate_config(OmegaConf.create(again), cuda_available=cuda)
+
+
+def test_capture_bs_must_fit_max_num_seqs():
+    with pytest.raises(ConfigError, match=r"attention.cuda_graph_capture_bs=\[1, 16\]: each must be in \[1, "
+                                          r"scheduler.max_num_seqs=8\]"):
+        valid(["attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[1,16]"], cuda=True)
+
+
 def test_capture_sizes_are_filtered_with_a_note():
-    cfg, notes = valid(["attention.cuda_graph_capture_sizes=[0,64,100,128,4096]", "model.max_model_len=1024"])
+    cfg, notes = valid(["attention.cuda_graph_capture_sizes=[0,64,100,128,4096]", "model.max_model_len=1024",
+                        "attention.use_prefill_cuda_graph=true"], cuda=True)
     assert list(cfg.attention.cuda_graph_capture_sizes) == [64, 128]
     assert any("dropped [0, 100, 4096]" in n for n in notes)
 
@@ -217,6 +243,27 @@ def test_float32_on_cuda_uses_sdpa_and_refuses_flashinfer():
     with pytest.raises(ConfigError) as err:
         valid(["attention=sdpa", "attention.use_decode_cuda_graph=true"], cuda=True)
     assert "attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer" in str(err.value)
+
+
+def test_fa4_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)
+    with pytest.raises(ConfigError, match="attention.backend=fa4 needs a CUDA device but engine.device=cpu"):
+        valid(["attention=fa4"])
+    with pytest.raises(ConfigError, match="attention.backend=fa4 has no float32 kernels"):
+        valid(["attention=fa4", "engine.dtype=float32"], cuda=True)
+    cfg, _ = valid(["attention=fa4", "attention.use_decode_cuda_graph=true",
+                    "attention.use_prefill_cuda_graph=true"], cuda=True)  # FA4 runs under graphs
+    assert cfg.attention.backend == "fa4"
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"attention.backend=fa4 needs flash_attn.cute \(pip install flash-attn-4"):
+        valid(["attention=fa4"], cuda=True)
+
+
+def test_fa4_package_probe_imports_nothing_heavy():
+    from fluxlab.config.validate import _fa4_installed
+
+    assert _fa4_installed() in (True, False)
+    assert "flash_attn.cute.interface" not in sys.modules
 
 
 def test_a_model_that_is_not_on_disk_is_a_clear_error_not_a_traceback():

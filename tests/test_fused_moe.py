@@ -103,6 +103,38 @@ def test_grouped_mm_moe_matches_moe_forward_cpu():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_tuned_table_gives_the_config_of_the_nearest_tuned_token_count(tmp_path, monkeypatch):
+    import json
+
+    from fluxlab.kernels import fused_moe as fm
+
+    monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
+    shape = fm.shape_key(256, 2048, 512, 8, torch.bfloat16)
+    table = {"configs": {shape: {"512": {"BLOCK_M": 32, "BLOCK_N1": 128, "ms": 0.4},
+                                 "2048": {"BLOCK_M": 64, "WARPS2": 8, "ms": 0.5}}}}
+    fm.device_table_path("Test GPU (tuned)").write_text(json.dumps(table))
+    assert fm.device_table_path("Test GPU (tuned)").name == "Test_GPU_tuned.json"
+    assert fm.tuned_config(600, shape, "Test GPU (tuned)") == fm.MoEConfig(BLOCK_M=32, BLOCK_N1=128)
+    assert fm.tuned_config(1500, shape, "Test GPU (tuned)") == fm.MoEConfig(BLOCK_M=64, WARPS2=8)  # log2 nearer 2048
+    assert fm.tuned_config(9000, shape, "Test GPU (tuned)").BLOCK_M == 64
+    assert fm.tuned_config(512, fm.shape_key(128, 2048, 512, 8, torch.bfloat16), "Test GPU (tuned)") is None
+    assert fm.tuned_config(512, shape, "Untuned GPU") is None
+
+
+def test_shipped_tables_hold_only_valid_configs():
+    import dataclasses
+    import json
+
+    from fluxlab.kernels.fused_moe import CONFIG_DIR, MoEConfig
+
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    for path in CONFIG_DIR.glob("*.json"):
+        for shape, entries in json.loads(path.read_text())["configs"].items():
+            for tokens, entry in entries.items():
+                cfg = MoEConfig(**{k: v for k, v in entry.items() if k in fields})
+                assert int(tokens) > 0 and cfg.BLOCK_M in (16, 32, 64, 128), (path.name, shape, tokens)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 def _gpu_case(hidden, inter, num_tokens, num_experts=256, top_k=8, seed=0):
@@ -164,6 +196,29 @@ def test_fused_moe_cuda_graph_replay_tracks_new_routing():
     x.copy_(x2), idx.copy_(idx2), wts.copy_(wts2)
     graph.replay()
     torch.testing.assert_close(out, fused_moe(x, idx, wts, w_gate_up, w_down), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
+    """Products of bf16 numbers are exact in fp32: the bf16 GEMM with fp32 output differs from the
+    fp32 GEMM only in how the tensor cores accumulate, far below bf16 resolution (H200, torch 2.11:
+    2.1e-6 relative to fp64 against the fp32 GEMM's 1.7e-7; bf16's step is 4e-3)."""
+    from fluxlab.engine.layers.moe import _mm_fp32_out, router_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 2048 ** -0.5
+    assert _mm_fp32_out(x.device), "torch.mm(out_dtype=float32) is the router's GPU path"
+    got = router_logits(x, w)
+    want = (x.double() @ w.double().t())
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+    fp32 = torch.nn.functional.linear(x.float(), w.float())
+    assert ((fp32.double() - want).norm() / want.norm()).item() < 1e-6  # the path it replaces
+    # the experts chosen from these logits are the fp32 GEMM's (up to rare near-ties)
+    same = (got.topk(8).indices.sort().values == fp32.topk(8).indices.sort().values).all(dim=1)
+    assert same.float().mean().item() >= 0.99
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 """Decode-step micro-benchmark against the roofline floor (GPU).
 
     python -m fluxlab.bench.roofline [--preset llada2_mini] [--batch-sizes 1,8,16,32,64]
-        [--variants sdpa,flashinfer,flashinfer+graph] [--reference]
+        [--variants sdpa,flashinfer,flashinfer+graph,fa4+graph] [--reference]
+        [--ttft-variants flashinfer+graph,flashinfer+graph+prefill,fa4+graph,fa4+graph+prefill --concurrency 16]
 
 Builds random bf16 weights of a preset on the GPU, measures the two ceilings (HBM copy bandwidth,
 bf16 matmul rate) in the same run, then for each variant and batch size runs GSM8K-style prompts
 to 256 output tokens at block 32, decoding.steps=8 (random weights never pass the threshold, so
 every step accepts exactly 4 tokens and runs are comparable) and reports ms per pure decode
-forward, its floor and output tokens/s. Writes JSON to --out (or $OUT/roofline.json).
+forward, its floor and output tokens/s. A variant is backend[+graph][+prefill]: +graph captures the
+decode graphs, +prefill also the prefill graphs of --prefill-tokens (attention.use_prefill_cuda_graph).
+--ttft-variants submits --concurrency prompts at once, one block each, and reports the time to each
+request's first committed block beside its floor (the prefill forward's, then steps - 1 decode
+forwards at that batch). Writes JSON to --out (or $OUT/roofline.json).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -109,6 +115,29 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
             "output_tokens": outputs, "output_tok_s": outputs / elapsed, "elapsed_s": elapsed}
 
 
+def run_ttft(engine, prompts: list[list[int]], steps: int, block: int) -> dict:
+    """Every prompt at once (concurrency = len(prompts)), one block each: the time from submission to
+    each request's first committed block, and the first (prefill) forward's time."""
+    params = SamplingParams(max_new_tokens=block, steps=steps, ignore_eos=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    ids = {engine.add_request(p, params) for p in prompts}
+    first: dict[str, float] = {}
+    step_ms = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        step_ms.append(1e3 * (now - t0))
+        for out in outs:
+            if out.new_token_ids and out.request_id in ids and out.request_id not in first:
+                first[out.request_id] = 1e3 * (now - started)
+    ttft = sorted(first.values())
+    return {"ttft_ms_median": statistics.median(ttft), "ttft_ms_mean": statistics.mean(ttft),
+            "ttft_ms_max": ttft[-1], "first_forward_ms": step_ms[0], "forwards": len(step_ms)}
+
+
 def profile_decode(engine, prompts: list[list[int]], steps: int) -> None:
     """Kernel time breakdown over one block of decode steps (graph replays included)."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,15 +174,21 @@ def main() -> None:
     ap.add_argument("--decoding", default=None, help="a decoding group (joint_threshold, levenshtein_joint, ...)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of decode steps")
     ap.add_argument("--parallel", default=None, help="a parallel group (tp2_ep2, tp4_ep4): one engine per variant")
+    ap.add_argument("--ttft-variants", default="",
+                    help="variants timed for TTFT instead of decode (+prefill: prefill graphs of --prefill-tokens)")
+    ap.add_argument("--concurrency", type=int, default=16, help="prompts submitted at once for the TTFT variants")
+    ap.add_argument("--prefill-tokens", default="1024,2048,4096", help="prefill graph capture sizes (tokens)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prefill_tokens = [int(t) for t in args.prefill_tokens.split(",")]
     max_bs = max(sizes)
     overrides = ([f"decoding={args.decoding}"] if args.decoding else []) + [
                  f"model={args.preset}", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
                  f"decoding.block_length={args.block}", f"decoding.steps={args.steps}", "attention=sdpa",
                  f"scheduler.max_num_seqs={max_bs}", f"scheduler.max_scheduled_tokens={max_bs * args.block * 2}",
-                 "model.max_model_len=1024"]
+                 "model.max_model_len=1024",
+                 "scheduler.enable_prefix_cache=false"]  # repeated prompts must prefill again (TTFT trials)
     if args.moe_backend:
         overrides.append(f"engine.moe_backend={args.moe_backend}")
     if args.parallel:
@@ -168,37 +203,41 @@ def main() -> None:
     if tp > 1:  # each rank streams its own shard: the floor uses the HBM and FLOPs of all tp GPUs
         ceilings = {k: v * tp for k, v in ceilings.items()}
 
-    def variant_engine(variant: str):
+    def variant_engine(variant: str, decode_segments: Optional[set[int]] = None):
         """Single GPU: swap the runner of one engine. TP: a fresh engine (its workers own runners)."""
-        backend = variant.split("+")[0]
-        graphs = variant.endswith("+graph")
+        backend, *flags = variant.split("+")
+        graphs = "graph" in flags
         if tp > 1:
-            extra = [f"attention={backend}", f"attention.use_decode_cuda_graph={str(graphs).lower()}",
-                     f"attention.cuda_graph_capture_bs=[{','.join(map(str, sizes))}]"]
+            extra = [f"attention={backend}"] + ([
+                "attention.use_decode_cuda_graph=true", f"attention.cuda_graph_capture_bs=[{','.join(map(str, sizes))}]"]
+                if graphs else [])
             vcfg = compose("generate", overrides + extra)
             validate_config(vcfg)
             return make_engine(vcfg)
         engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
                                     engine.dtype, backend, engine.max_model_len // engine.block_length,
-                                    engine.cfg.scheduler.max_num_seqs, engine.mask_id, engine.runner.special)
+                                    engine.cfg.scheduler.max_num_seqs, engine.mask_id, special)
         if graphs:
             t0 = time.perf_counter()
-            segments = sorted({n for b in sizes for n in (b, 2 * b)})
+            segments = sorted(decode_segments or {n for b in sizes for n in (b, 2 * b)})
+            if "prefill" in flags:  # attention.use_prefill_cuda_graph: capture sizes in tokens
+                segments = sorted(set(segments) | {t // args.block for t in prefill_tokens})
             engine.runner.capture_graphs(segments, "padded")
             print(f"{variant}: captured {segments} segments in {time.perf_counter() - t0:.1f} s", flush=True)
         return engine
 
     t0 = time.perf_counter()
     engine = LLMEngine(cfg) if tp == 1 else None
+    special = engine.runner.special if engine is not None else {}  # runners are swapped per variant
     if engine is not None:
         print(f"engine built in {time.perf_counter() - t0:.1f} s ({engine.kv_total_pages} KV pages)", flush=True)
     from fluxlab.engine.llm_engine import load_tokenizer
 
-    prompts = gsm8k_prompts(load_tokenizer(None), max_bs)
+    prompts = gsm8k_prompts(load_tokenizer(None), max(max_bs, args.concurrency))
     mean_prompt = statistics.mean(len(p) for p in prompts)
     results = {"ceilings": ceilings, "preset": args.preset, "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "rows": []}
-    for variant in args.variants.split(","):
+    for variant in filter(None, args.variants.split(",")):
         run_engine = None
         try:
             t0 = time.perf_counter()
@@ -229,6 +268,41 @@ def main() -> None:
         elif engine is not None:
             engine.runner = None
         torch.cuda.empty_cache()
+    if args.ttft_variants and engine is not None:
+        # The engine's graph sizes at scheduler.max_num_seqs=concurrency (llm_engine.graph_segment_sizes):
+        # decode graphs {b, 2b} for b = 1, 2, 4, ..., concurrency and every multiple of 8 up to 2 * concurrency.
+        conc = args.concurrency
+        capture_bs = {min(2 ** i, conc) for i in range(conc.bit_length())} | {conc}
+        decode_segments = {n for b in capture_bs for n in (b, 2 * b)}
+        decode_segments |= set(range(8, max(decode_segments) + 1, 8))
+        ttft_prompts = prompts[:conc]
+        segments = sum(len(p) // args.block + 1 for p in ttft_prompts)
+        mean_len = statistics.mean(len(p) for p in ttft_prompts)
+        prefill_floor = decode_floor(engine.model_config, segments, args.block, mean_len / 2, ceilings)["floor_ms"]
+        step_floor = decode_floor(engine.model_config, conc, args.block, mean_len, ceilings)["floor_ms"]
+        ttft_floor = prefill_floor + (args.steps - 1) * step_floor  # prefill (+ first step), then steps - 1 more
+        results["ttft"] = {"concurrency": conc, "prefill_segments": segments, "floor_ms": ttft_floor,
+                           "prefill_floor_ms": prefill_floor, "rows": []}
+        for variant in filter(None, args.ttft_variants.split(",")):
+            try:
+                run_engine = variant_engine(variant, decode_segments)
+                run_ttft(run_engine, ttft_prompts, args.steps, args.block)  # warm-up (JIT at these shapes)
+                trials = [run_ttft(run_engine, ttft_prompts, args.steps, args.block) for _ in range(3)]
+                row = {"variant": variant, **min(trials, key=lambda t: t["ttft_ms_median"]),
+                       "ttft_ms_median_trials": [t["ttft_ms_median"] for t in trials],
+                       "graph_share": run_engine.runner.num_graph_forwards
+                       / max(1, run_engine.runner.num_graph_forwards + run_engine.runner.num_eager_forwards)}
+                results["ttft"]["rows"].append(row)
+                print(f"{variant:>26} TTFT c={conc}: median {row['ttft_ms_median']:.1f} ms (trials "
+                      f"{', '.join(f'{t:.1f}' for t in row['ttft_ms_median_trials'])}), first forward "
+                      f"{row['first_forward_ms']:.1f} ms, floor {ttft_floor:.1f} ms", flush=True)
+            except Exception as err:
+                import traceback
+
+                traceback.print_exc()
+                results["ttft"]["rows"].append({"variant": variant, "error": repr(err)})
+            engine.runner = None
+            torch.cuda.empty_cache()
     if args.reference and engine is not None:
         from fluxlab.engine.layers.moe import StackedExperts
         from fluxlab.engine.reference import reference_generate
@@ -261,6 +335,16 @@ def main() -> None:
         print(f"| {row['variant']} | {row['batch']} | {row['decode_ms_median']:.2f} | {row['floor_ms']:.2f} | "
               f"{row['ratio']:.2f} | {row['commit_ms_median'] or 0:.2f} | {row['other_ms_median'] or 0:.2f} | "
               f"{row['output_tok_s']:.0f} |")
+    if "ttft" in results:
+        t = results["ttft"]
+        print(f"\n| variant | TTFT median ms (c={t['concurrency']}) | first (prefill) forward ms | TTFT floor ms | x floor | graph share |")
+        print("|---|---|---|---|---|---|")
+        for row in t["rows"]:
+            if "error" in row:
+                print(f"| {row['variant']} | error: {row['error'][:60]} | | | | |")
+                continue
+            print(f"| {row['variant']} | {row['ttft_ms_median']:.1f} | {row['first_forward_ms']:.1f} | "
+                  f"{t['floor_ms']:.1f} | {row['ttft_ms_median'] / t['floor_ms']:.2f} | {row['graph_share']:.0%} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, open_dict
 
-from fluxlab.config.schema import DecodingConfig
+from fluxlab.config.schema import AttentionConfig, DecodingConfig
 
 POLICIES = ("paged", "dynamic", "static")
 BACKENDS = ("sdpa", "flashinfer", "fa4")
@@ -25,6 +25,16 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _fa4_installed() -> bool:
+    """Whether flash_attn.cute (PyPI flash-attn-4) can be found; imports neither it nor torch."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # no flash_attn, or a flash_attn package that fails to import
+        return False
 
 
 def _check(ok: bool, message: str) -> None:
@@ -160,9 +170,12 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         _check(on_cuda or attn.backend == "sdpa",
                f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
                "use attention=sdpa on CPU")
-        _check(attn.backend != "flashinfer" or eng.dtype != "float32",
-               "attention.backend=flashinfer has no float32 kernels (engine.dtype=float32); use attention=sdpa "
+        _check(attn.backend not in ("flashinfer", "fa4") or eng.dtype != "float32",
+               f"attention.backend={attn.backend} has no float32 kernels (engine.dtype=float32); use attention=sdpa "
                "or engine.dtype=bfloat16")
+        _check(attn.backend != "fa4" or _fa4_installed(),
+               "attention.backend=fa4 needs flash_attn.cute (pip install flash-attn-4==4.0.0b36, or the [gpu] extra); "
+               "use attention=flashinfer or attention=sdpa")
         _check(attn.cuda_graph_decode_mode in ("padded", "decomposed"),
                f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode!r}: use padded or decomposed")
         if attn.use_cuda_graph:
@@ -170,26 +183,41 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
         _check(not graphs or on_cuda,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
-        _check(not graphs or attn.backend == "flashinfer",
-               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer "
+        _check(not graphs or attn.backend in ("flashinfer", "fa4"),
+               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer or fa4 "
                f"(got {attn.backend})")
-        if attn.cuda_graph_capture_bs is None:
-            sizes, b = [], 1
-            while b < sched.max_num_seqs:
-                sizes.append(b)
-                b *= 2
-            attn.cuda_graph_capture_bs = sizes + [sched.max_num_seqs]
-        capture_bs = list(attn.cuda_graph_capture_bs)
-        _check(all(1 <= b <= sched.max_num_seqs for b in capture_bs),
-               f"attention.cuda_graph_capture_bs={capture_bs}: each must be in [1, scheduler.max_num_seqs={sched.max_num_seqs}]")
-        attn.cuda_graph_capture_bs = sorted(set(capture_bs))
-        sizes = list(attn.cuda_graph_capture_sizes)
-        kept = sorted({s for s in sizes if s > 0 and s % bl == 0 and s <= model.max_model_len})
-        dropped = [s for s in sizes if s not in kept]
-        if dropped:
-            notes.append(f"attention.cuda_graph_capture_sizes: dropped {dropped} (need positive, multiples of "
-                         f"decoding.block_length={bl}, <= model.max_model_len={model.max_model_len}); kept {kept}")
-        attn.cuda_graph_capture_sizes = kept
+        # Graph-size keys are read only by the graphs they size: set without those graphs, refuse.
+        # (Derived values are filled in only where read, so a resolved config validates again.)
+        _check(attn.cuda_graph_capture_bs is None or attn.use_decode_cuda_graph,
+               f"attention.cuda_graph_capture_bs={list(attn.cuda_graph_capture_bs or [])} sizes decode graphs, "
+               "which are off: set attention.use_decode_cuda_graph=true or drop the key")
+        _check(list(attn.cuda_graph_capture_sizes) == AttentionConfig().cuda_graph_capture_sizes
+               or attn.use_prefill_cuda_graph,
+               f"attention.cuda_graph_capture_sizes={list(attn.cuda_graph_capture_sizes)} sizes prefill graphs, "
+               "which are off: set attention.use_prefill_cuda_graph=true or drop the key")
+        _check(graphs or attn.cuda_graph_decode_mode == AttentionConfig.cuda_graph_decode_mode,
+               f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode} chooses how batches replay CUDA "
+               "graphs, which are off: set attention.use_decode_cuda_graph=true or drop the key")
+        if attn.use_decode_cuda_graph:
+            if attn.cuda_graph_capture_bs is None:
+                sizes, b = [], 1
+                while b < sched.max_num_seqs:
+                    sizes.append(b)
+                    b *= 2
+                attn.cuda_graph_capture_bs = sizes + [sched.max_num_seqs]
+            capture_bs = list(attn.cuda_graph_capture_bs)
+            _check(all(1 <= b <= sched.max_num_seqs for b in capture_bs),
+                   f"attention.cuda_graph_capture_bs={capture_bs}: each must be in [1, scheduler.max_num_seqs="
+                   f"{sched.max_num_seqs}]")
+            attn.cuda_graph_capture_bs = sorted(set(capture_bs))
+        if attn.use_prefill_cuda_graph:
+            sizes = list(attn.cuda_graph_capture_sizes)
+            kept = sorted({s for s in sizes if s > 0 and s % bl == 0 and s <= model.max_model_len})
+            dropped = [s for s in sizes if s not in kept]
+            if dropped:
+                notes.append(f"attention.cuda_graph_capture_sizes: dropped {dropped} (need positive, multiples of "
+                             f"decoding.block_length={bl}, <= model.max_model_len={model.max_model_len}); kept {kept}")
+            attn.cuda_graph_capture_sizes = kept
 
         # --- parallel (DESIGN §7) ---
         for key in ("tp_size", "ep_size", "dp_size"):

@@ -1,9 +1,9 @@
 """CUDA graphs of the model body keyed by padded segment count: one graph runner for every batch.
 
 A forward is a list of query segments of exactly block_length tokens each (a row of n blocks is n
-segments: FlashInfer plans each block over pages 0..itself), so a graph captured for S segments
-replays any batch of at most S segments whatever its mix: decode rows (1 segment), commit + decode
-rows (2), prefill chunks (n), any row count. Padding segments read and write a scratch page. The
+segments: the attention backend, FlashInfer or FA4, plans each block over pages 0..itself), so a
+graph captured for S segments replays any batch of at most S segments whatever its mix: decode rows
+(1 segment), commit + decode rows (2), prefill chunks (n), any row count. Padding segments read and write a scratch page. The
 graph ends at the last hidden state; the logits head runs after it on only the positions the
 decoders need, whose count changes every step.
 """
@@ -50,8 +50,6 @@ def plan_chunks(row_segments: list[int], sizes: list[int], mode: str) -> Optiona
 
 class CapturedForward:
     def __init__(self, runner, segments: int, pool):
-        from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
-
         bl, device = runner.block_length, runner.device
         tokens = segments * bl
         self.segments = segments
@@ -59,10 +57,7 @@ class CapturedForward:
         self.positions = torch.arange(tokens, device=device) % bl
         self.scratch_slots = runner.scratch_slots.repeat(segments)
         self.slots = self.scratch_slots.clone()
-        self.attention = FlashInferAttention(runner.cache, runner.model.config, device,
-                                             num_qo_heads=runner.num_qo_heads, num_kv_heads=runner.num_kv_heads,
-                                             graph_segments=segments,
-                                             graph_max_pages=segments * runner.max_blocks_per_seq)
+        self.attention = runner._make_backend(runner.backend, graph_segments=segments)
         self.attention.meta = AttentionMetadata(self.slots, [])
         self.scratch_rows: Rows = [(0, 1, [runner.scratch_page])] * segments
         self.attention.plan(self.scratch_rows)

@@ -94,23 +94,32 @@ class ModelRunner:
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
 
-    def _make_backend(self, backend: str):
+    def _make_backend(self, backend: str, graph_segments: int = 0):
+        """The attention backend; graph_segments > 0: one with fixed buffers for a graph of that many segments."""
         if backend == "sdpa":
             return SdpaAttention(self.cache)
         if backend == "flashinfer":
             from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
 
             return FlashInferAttention(self.cache, self.model.config, self.device,
-                                       num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads)
-        raise ValueError(f"attention.backend={backend} is not available in this build; use sdpa or flashinfer")
+                                       num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                       graph_segments=graph_segments,
+                                       graph_max_pages=graph_segments * self.max_blocks_per_seq)
+        if backend == "fa4":
+            from fluxlab.engine.layers.attention_fa4 import Fa4Attention
+
+            return Fa4Attention(self.cache, self.device, num_qo_heads=self.num_qo_heads,
+                                head_dim=self.model.config.head_dim, max_blocks_per_seq=self.max_blocks_per_seq,
+                                graph_segments=graph_segments)
+        raise ValueError(f"attention.backend={backend} is not available in this build; use sdpa, flashinfer or fa4")
 
     # --- graphs ---
     @torch.inference_mode()
     def capture_graphs(self, segment_sizes: list[int], mode: str = "padded") -> None:
         from fluxlab.engine.graph_runner import GraphRunner
 
-        if self.backend != "flashinfer":
-            raise ValueError("CUDA graphs need attention.backend=flashinfer")
+        if self.backend not in ("flashinfer", "fa4"):
+            raise ValueError(f"CUDA graphs need attention.backend=flashinfer or fa4 (got {self.backend})")
         self.graphs = GraphRunner(self, segment_sizes, mode)
 
     def release_graphs(self) -> None:

@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
                     return (out.float() - ref.float()).abs().max().item()
 
                 row = {"shape": shape, "hidden": hidden, "inter": inter, "T": t, "experts_hit": hit}
-                cfg = default_config(t * TOP_K, NUM_EXPERTS, hidden, inter)
+                cfg = default_config(t, TOP_K, NUM_EXPERTS, hidden, inter, torch.bfloat16, torch.device(dev))
                 row["fused_config"] = dataclasses.asdict(cfg)
                 row["ref_max_abs"] = ref_max
                 row["err_gmm"] = err(grouped_mm_moe(x, idx, wts, w_gate_up, w_down))

@@ -22,15 +22,21 @@ Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32
 Row blocks past `total` (and programs whose block is past it) exit at once: the grid is sized by
 the worst case and the work by the device-side count.
 
-Tile configs come from a small heuristic table keyed on the average rows per expert (no autotune:
-autotuning inside a CUDA-graph capture is unsafe). Override with `config=` or the env var
+Tile configs come from a table measured per GPU, expert shape and token count
+(`moe_configs/<GPU>.json`, written by `python -m fluxlab.bench.moe_tune`), else from a heuristic
+keyed on the average rows per expert (no autotune: autotuning inside a CUDA-graph capture is
+unsafe; the config is picked from shapes at capture). Override with `config=` or the env var
 FLUXLAB_FUSED_MOE_CONFIG='{"BLOCK_M":16,...}' (keys of `MoEConfig`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
+import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -94,22 +100,71 @@ class MoEConfig:
     GROUP_M: int = 8
 
 
-def default_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> MoEConfig:
-    """Heuristic table for H200 bf16 (untuned: the lead's benchmark should refine it).
+def heuristic_config(num_slots: int, num_experts: int) -> MoEConfig:
+    """The untuned fallback, keyed on the average rows per expert.
 
     Few rows per expert (decode, <= 16 on average): the layer streams weights, so BLOCK_M=16 (mma
     path), wide-K tiles and 3 stages keep ~100 KB of weight loads in flight per SM. More rows per
     expert: bigger M tiles so each weight strip is reused across more rows."""
     avg = num_slots / max(1, num_experts)
     if avg <= 16:
-        cfg = MoEConfig(BLOCK_M=16, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3,
-                        BLOCK_N2=64, BLOCK_K2=128, WARPS2=4, STAGES2=3, GROUP_M=8)
-    elif avg <= 48:
-        cfg = MoEConfig(BLOCK_M=32, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3,
-                        BLOCK_N2=64, BLOCK_K2=128, WARPS2=4, STAGES2=3, GROUP_M=8)
-    else:
-        cfg = MoEConfig(BLOCK_M=64, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8, STAGES1=3,
-                        BLOCK_N2=128, BLOCK_K2=64, WARPS2=4, STAGES2=3, GROUP_M=8)
+        return MoEConfig(BLOCK_M=16, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3,
+                         BLOCK_N2=64, BLOCK_K2=128, WARPS2=4, STAGES2=3, GROUP_M=8)
+    if avg <= 48:
+        return MoEConfig(BLOCK_M=32, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3,
+                         BLOCK_N2=64, BLOCK_K2=128, WARPS2=4, STAGES2=3, GROUP_M=8)
+    return MoEConfig(BLOCK_M=64, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8, STAGES1=3,
+                     BLOCK_N2=128, BLOCK_K2=64, WARPS2=4, STAGES2=3, GROUP_M=8)
+
+
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},H={hidden},I={inter},K={top_k},{str(dtype).removeprefix('torch.')}"
+
+
+def device_table_path(device_name: str) -> Path:
+    """moe_configs/<GPU name>.json, the name as torch reports it with non-alphanumerics as '_'."""
+    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def _device_name(device: torch.device) -> str:
+    return _device_name_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_table(device_name: str) -> dict:
+    path = device_table_path(device_name)
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("configs", {})
+
+
+def tuned_config(num_tokens: int, shape: str, device_name: str) -> MoEConfig | None:
+    """The measured config of the tuned token count nearest to num_tokens (log scale), if this
+    GPU and expert shape have a table (written by `python -m fluxlab.bench.moe_tune`)."""
+    entries = _load_table(device_name).get(shape)
+    if not entries:
+        return None
+    nearest = min(entries, key=lambda t: abs(math.log2(int(t)) - math.log2(max(1, num_tokens))))
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    return MoEConfig(**{k: v for k, v in entries[nearest].items() if k in fields})
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                   dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None) -> MoEConfig:
+    """The tuned table's config for this GPU and shape, else the heuristic; then the env override
+    FLUXLAB_FUSED_MOE_CONFIG (a JSON object of MoEConfig fields)."""
+    cfg = None
+    if device is not None and device.type == "cuda":
+        cfg = tuned_config(num_tokens, shape_key(num_experts, hidden, inter, top_k, dtype), _device_name(device))
+    cfg = cfg or heuristic_config(num_tokens * top_k, num_experts)
     env = os.environ.get("FLUXLAB_FUSED_MOE_CONFIG")
     if env:
         cfg = dataclasses.replace(cfg, **json.loads(env))
@@ -320,34 +375,54 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     if x.dtype != w_gate_up.dtype:
         x = x.to(w_gate_up.dtype)
     topk_weight = topk_weight.reshape(-1).contiguous()
-    n = num_tokens * top_k
-    cfg = config or default_config(n, num_experts, hidden, inter)
-    bm = cfg.BLOCK_M
-    sorted_ids, expert_ids, total = moe_align(topk_idx, num_experts, bm)
-    num_pid_m = sorted_ids.numel() // bm
-    ieee = x.dtype == torch.float32
+    cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
+    sorted_ids, expert_ids, total = moe_align(topk_idx, num_experts, cfg.BLOCK_M)
+    inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg)
+    slot_out = down_stage(inter_buf, w_down, topk_weight, sorted_ids, expert_ids, total, cfg, foreign_slots)
+    # Combine the K slots of each token in fp32 (reads x.dtype, accumulates fp32) and cast back.
+    return torch.sum(slot_out.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(out_dtype)
 
+
+def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                  total: torch.Tensor, top_k: int, cfg: MoEConfig) -> torch.Tensor:
+    """silu(gate) * up of every aligned row -> [rows, I] in x.dtype (kernel 1; a stage of its own so
+    the tuner can time it alone)."""
+    num_tokens, hidden = x.shape
+    inter = w_gate_up.shape[1] // 2
+    bm = cfg.BLOCK_M
+    num_pid_m = sorted_ids.numel() // bm
     inter_buf = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    grid1 = (num_pid_m * triton.cdiv(inter, cfg.BLOCK_N1),)
-    _gate_up_kernel[grid1](
+    grid = (num_pid_m * triton.cdiv(inter, cfg.BLOCK_N1),)
+    _gate_up_kernel[grid](
         x, w_gate_up, inter_buf, sorted_ids, expert_ids, total,
-        n, top_k, hidden, inter, num_pid_m,
+        num_tokens * top_k, top_k, hidden, inter, num_pid_m,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M,
-        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=ieee, num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.WARPS1,
+        num_stages=cfg.STAGES1)
+    return inter_buf
 
+
+def down_stage(inter_buf: torch.Tensor, w_down: torch.Tensor, topk_weight: torch.Tensor, sorted_ids: torch.Tensor,
+               expert_ids: torch.Tensor, total: torch.Tensor, cfg: MoEConfig, foreign_slots: bool = False
+               ) -> torch.Tensor:
+    """Down projection times the routing weight -> [T*K, H] per token-slot (kernel 2)."""
+    n = topk_weight.numel()
+    _, hidden, inter = w_down.shape
+    bm = cfg.BLOCK_M
+    num_pid_m = sorted_ids.numel() // bm
     # Foreign slots are never written by the down kernel: they must read as zero in the combine.
-    slot_out = (torch.zeros if foreign_slots else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
-    grid2 = (num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)
-    _down_kernel[grid2](
+    slot_out = (torch.zeros if foreign_slots else torch.empty)(n, hidden, dtype=inter_buf.dtype,
+                                                                device=inter_buf.device)
+    grid = (num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)
+    _down_kernel[grid](
         inter_buf, w_down, slot_out, topk_weight, sorted_ids, expert_ids, total,
         n, hidden, inter, num_pid_m,
         inter_buf.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), slot_out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M,
-        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=ieee, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
-
-    # Combine the K slots of each token in fp32 (reads x.dtype, accumulates fp32) and cast back.
-    return torch.sum(slot_out.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(out_dtype)
+        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, num_warps=cfg.WARPS2,
+        num_stages=cfg.STAGES2)
+    return slot_out
 
 
 def grouped_mm_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,

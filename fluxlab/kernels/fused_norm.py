@@ -13,8 +13,8 @@ do each of those in one launch, sync-free (CUDA-graph capturable), with the publ
   on the first rd dims, evaluated with torch's bf16 roundings: cos/sin cast to x.dtype,
   x*cos -> x.dtype, rotate_half(x)*sin -> x.dtype, their sum -> x.dtype; dims >= rd pass through.
   v is copied. Returns contiguous q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D].
-* `route_topk(x, gate_weight, expert_bias, ...)`: the router GEMM stays torch (F.linear in fp32,
-  as `moe.route`), then one program per token does sigmoid, +bias, group scores (sum of the top-2
+* `route_topk(x, gate_weight, expert_bias, ...)`: the router GEMM stays torch (`moe.router_logits`, fp32
+  logits, as `moe.route`), then one program per token does sigmoid, +bias, group scores (sum of the top-2
   biased scores per group), keeps topk_group groups, picks top_k experts among them in descending
   order of biased score, weights = unbiased scores / (sum + 1e-20) * routed_scaling_factor.
   Ties are broken toward the lowest index (group and expert), which is what torch.topk does in
@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -338,7 +337,9 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
 def route_topk(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int,
                n_group: int, topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
     """Same contract as fluxlab.engine.layers.moe.route: x [T, H] -> (topk_idx [T, top_k] int64,
-    topk_weight [T, top_k] fp32). The GEMM is moe.route's fp32 F.linear; the rest is one launch."""
-    logits = F.linear(x.float(), gate_weight.float())
+    topk_weight [T, top_k] fp32). The GEMM is moe.route's (router_logits); the rest is one launch."""
+    from fluxlab.engine.layers.moe import router_logits
+
+    logits = router_logits(x, gate_weight)
     return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor,
                                   idx_dtype)
