@@ -132,7 +132,8 @@ class GemmaDecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))  # canvas (decoder) pass
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
+                encoder: bool | torch.Tensor) -> torch.Tensor:
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
@@ -140,4 +141,6 @@ class GemmaDecoderLayer(nn.Module):
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
         routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
         x = x + self.post_feedforward_layernorm(dense + routed)
+        if isinstance(encoder, torch.Tensor):  # a mixed forward: per token, True = encoder pass
+            return x * torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
         return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
