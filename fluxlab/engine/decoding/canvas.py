@@ -23,11 +23,26 @@ from typing import Optional
 
 import torch
 
+from fluxlab.engine.decoding.base import Decoder
+
 # Transformers' global defaults (DiffusionGemmaGenerationConfig._get_default_generation_params), used for
 # knobs a checkpoint's generation_config.json leaves unset, or when there is no checkpoint (random weights).
 TRANSFORMERS_DEFAULTS = dict(max_denoising_steps=48, entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
                              confidence_threshold=0.005)
 CANVAS_KNOBS = tuple(TRANSFORMERS_DEFAULTS)
+
+
+class Canvas(Decoder):
+    """Registry entry of the canvas decoder (names, knobs, checks). Its step is `canvas_step`, run by
+    the canvas runner (canvas_runner.py): it draws from a per-request generator and carries float
+    state (self-conditioning) that the mask-filling protocol's DecodeBatch has no place for."""
+
+    name = "canvas"
+    knobs = ()  # its knobs (CANVAS_KNOBS) live on the request as CanvasKnobs, not in the seat table
+    needs_logits = True
+
+    def step(self, batch):
+        raise TypeError("decoder 'canvas' runs in the canvas runner (Diffusion-Gemma models only)")
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class CanvasState:
         self.generator.manual_seed(seed)
         self.forwards = 0  # denoiser forwards on the current canvas
         self.needs_canvas = True  # the next canvas' random start is not drawn yet
+        self.canvas: Optional[torch.Tensor] = None  # [L] the canvas the next forward denoises
         self.prev_argmax: Optional[torch.Tensor] = None  # [L] argmax canvas of the previous step
         self.stable_run: Optional[torch.Tensor] = None  # 0-dim: consecutive previous steps with that argmax
         self.soft_embeds: Optional[torch.Tensor] = None  # [L, H] self-conditioning input (None: zeros)
