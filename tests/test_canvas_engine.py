@@ -63,9 +63,14 @@ def transformers_generate(hf, prompt: list[int], seed: int, max_new_tokens: int,
 
         hf.forward = counted
         try:
+            hf_kwargs = dict(kwargs)
+            if "entropy_bound" in hf_kwargs:  # transformers keeps it in the sampler's config
+                from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+                hf_kwargs["sampler_config"] = EntropyBoundSamplerConfig(float(hf_kwargs.pop("entropy_bound")))
             torch.manual_seed(seed)
             with torch.no_grad():
-                out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, **kwargs)
+                out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, **hf_kwargs)
         finally:
             del hf.forward
         new = out.sequences[0, len(prompt):len(prompt) + max_new_tokens].tolist()
