@@ -171,3 +171,33 @@ def test_bad_canvas_knobs_are_refused(llm):
     with pytest.raises(InvalidRequest, match="entropy_bound"):
         llm.engine.add_request([1, 2], SamplingParams(entropy_bound=0.0))
     assert not llm.engine.has_unfinished()
+
+
+def test_sliding_layers_never_read_past_their_window(hf):
+    """Before every forward, every sliding-layer K/V slot the forward does not gather is set to NaN
+    (one request at a time, no prefix cache: no other request needs them). A NaN that reached a
+    softmax would wreck the tokens (dropping the window from the mask fails this test); they are
+    unchanged, so a sliding layer's pages older than its window (8 < prompt + canvases) are dead."""
+    llm = engine_llm("scheduler.max_num_seqs=1", "scheduler.enable_prefix_cache=false")
+    runner = llm.engine.runner
+    sliding = [i for i, s in enumerate(runner.model.layer_is_sliding) if s]
+    begin = runner.attention.begin
+    poisoned = []
+
+    def poison_then_begin(meta):
+        keep = torch.cat([meta.key_slots[True].flatten(), meta.write_slots])
+        for i in sliding:
+            for pool in (runner.cache.k[i], runner.cache.v[i]):
+                saved = pool[keep].clone()
+                pool.fill_(float("nan"))
+                pool[keep] = saved
+        poisoned.append(len(keep))
+        begin(meta)
+
+    runner.attention.begin = poison_then_begin
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        check(llm, hf, [(prompt_ids(21, 0, vocab), 0, 20), (prompt_ids(9, 1, vocab), 1, 20)])
+    finally:
+        runner.attention.begin = begin
+    assert poisoned

@@ -69,6 +69,24 @@ def _notes_canvas(dec: DictConfig, model: DictConfig, notes: list[str]) -> None:
         _check(dec.t_max > dec.t_min, f"decoding.t_max={dec.t_max} must be > decoding.t_min={dec.t_min}")
 
 
+def _check_canvas_engine(cfg: DictConfig) -> None:
+    """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, eager
+    forwards, its experts' own kernels, one device."""
+    attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
+    name = cfg.model.name
+    if attn.backend == "auto":
+        attn.backend = "sdpa"
+    _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: model={name} (Diffusion-Gemma) runs its "
+                                   "own paged sdpa attention in this build; use attention=sdpa")
+    for key in ("use_cuda_graph", "use_decode_cuda_graph", "use_prefill_cuda_graph"):
+        _check(not attn[key], f"attention.{key}=true: model={name} (Diffusion-Gemma) has no CUDA graphs in this build")
+    _check(eng.moe_backend == "auto", f"engine.moe_backend={eng.moe_backend}: model={name} (Diffusion-Gemma) picks "
+                                      "its experts' kernel itself (grouped GEMM on CUDA bf16); leave it at auto")
+    _check(par.tp_size == 1 and par.ep_size == 1,
+           f"parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: model={name} (Diffusion-Gemma) runs on "
+           "one device in this build (parallel.dp_size replicas work)")
+
+
 def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> list[str]:
     """Resolve derived keys of a run config in place and check every cross-field rule."""
     notes: list[str] = []
@@ -176,6 +194,8 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                f"scheduler.max_scheduled_tokens={sched.max_scheduled_tokens} must be >= decoding.block_length={bl}")
 
         # --- attention ---
+        if is_diffusion_gemma(model):
+            _check_canvas_engine(cfg)
         if attn.backend == "auto":
             # FlashInfer has no fp32 kernels: exact-parity (float32) runs on CUDA use sdpa.
             attn.backend = "flashinfer" if on_cuda and eng.dtype != "float32" else "sdpa"

@@ -10,8 +10,9 @@ forward. Masks, the same for every layer of a type (what DenseCanvasAttention co
 - encoder query at p: keys at positions <= p; sliding layers only the last `window` of them;
 - canvas query: every prefix key and the whole canvas; sliding layers only the last window - 1
   prefix keys (what transformers' DynamicSlidingWindowLayer keeps).
-Every page of a request is kept for every layer (a sliding layer's pages older than its window are
-never read but still held; see docs in canvas_runner.py).
+Sliding layers gather only the positions some query of the row can see, so their pages older than
+the window are never read (tests/test_canvas_engine.py poisons them); they are still held: every
+page of a request holds every layer (freeing sliding layers' old pages needs a second page pool).
 """
 from __future__ import annotations
 
@@ -49,54 +50,66 @@ class CanvasRow:
 class CanvasAttentionMetadata:
     write_slots: torch.Tensor  # [Te] slots of every encoder token
     write_tokens: torch.Tensor  # [Te] their flat token indices
-    key_slots: torch.Tensor  # [R, K] padded cache slots of each row's prefix keys
     canvas_gather: torch.Tensor  # [R, L] flat token index of each row's canvas keys (0 where none)
     query_gather: torch.Tensor  # [R, Q] flat token index of each row's queries (0 = padding)
     query_scatter: torch.Tensor  # [T] index of each flat token in the padded [R * Q] queries
-    masks: dict[bool, torch.Tensor]  # sliding? -> [R, 1, Q, K + L] True = may attend
+    # per layer type (sliding?): padded cache slots of each row's prefix keys [R, K_t] and the mask
+    # [R, 1, Q, K_t + L] (True = may attend). Sliding layers gather only the keys some query of the
+    # row can see, so their older pages are never read.
+    key_slots: dict[bool, torch.Tensor]
+    masks: dict[bool, torch.Tensor]
 
 
 def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int,
                           device: torch.device) -> CanvasAttentionMetadata:
     num_rows = len(rows)
     L = canvas_length
-    max_k = max(len(r.key_slots) for r in rows)
     queries = [np.concatenate([r.encoder_tokens, r.canvas_tokens]) for r in rows]
     max_q = max(len(q) for q in queries)
-    key_slots = np.zeros((num_rows, max_k), dtype=np.int64)
+    # each row's first prefix key position per layer type: 0, or the oldest a sliding query sees
+    # (encoder query at p: p - window + 1; canvas at k: k - (window - 1))
+    first = {False: [0] * num_rows, True: []}
+    for row in rows:
+        k, ne = len(row.key_slots), len(row.encoder_tokens)
+        first[True].append(max(0, (k - ne if ne else k) - (window - 1)))
+    key_slots, masks = {}, {}
+    for sliding in (False, True):
+        lens = [len(r.key_slots) - f for r, f in zip(rows, first[sliding])]
+        max_k = max(max(lens), 1)
+        slots = np.zeros((num_rows, max_k), dtype=np.int64)
+        mask = np.zeros((num_rows, max_q, max_k + L), dtype=bool)
+        for i, (row, q, lo) in enumerate(zip(rows, queries, first[sliding])):
+            k, ne = len(row.key_slots), len(row.encoder_tokens)
+            slots[i, :k - lo] = row.key_slots[lo:]
+            key_pos = lo + np.arange(max_k)
+            valid = key_pos < k
+            q_pos = np.arange(k - ne, k)[:, None]  # encoder queries sit at positions k - ne .. k - 1
+            allowed = valid[None, :] & (key_pos[None, :] <= q_pos)
+            if sliding:
+                allowed &= key_pos[None, :] > q_pos - window
+            mask[i, :ne, :max_k] = allowed
+            if len(row.canvas_tokens):
+                seen = valid & (key_pos >= k - (window - 1)) if sliding else valid
+                mask[i, ne:ne + L, :max_k] = seen[None, :]
+                mask[i, ne:ne + L, max_k:] = True
+            mask[i, len(q):, 0] = True  # padded queries see one key so softmax stays finite
+        key_slots[sliding], masks[sliding] = slots, mask
     canvas_gather = np.zeros((num_rows, L), dtype=np.int64)
     query_gather = np.zeros((num_rows, max_q), dtype=np.int64)
-    masks = {s: np.zeros((num_rows, max_q, max_k + L), dtype=bool) for s in (False, True)}
     scatter = []
-    key_pos = np.arange(max_k)
     for i, (row, q) in enumerate(zip(rows, queries)):
-        k = len(row.key_slots)
-        key_slots[i, :k] = row.key_slots
-        query_gather[i, :len(q)] = q
-        scatter.append(i * max_q + np.arange(len(q)))
-        ne = len(row.encoder_tokens)
-        # encoder queries sit at positions k - ne .. k - 1
-        q_pos = np.arange(k - ne, k)[:, None]
-        causal = (key_pos[None, :] <= q_pos) & (key_pos[None, :] < k)
-        masks[False][i, :ne, :max_k] = causal
-        masks[True][i, :ne, :max_k] = causal & (key_pos[None, :] > q_pos - window)
         if len(row.canvas_tokens):
             canvas_gather[i] = row.canvas_tokens
-            rows_c = slice(ne, ne + L)
-            masks[False][i, rows_c, :k] = True
-            masks[True][i, rows_c, max(0, k - (window - 1)):k] = True
-            masks[False][i, rows_c, max_k:] = True
-            masks[True][i, rows_c, max_k:] = True
-        for m in masks.values():
-            m[i, len(q):, 0] = True  # padded queries see one key so softmax stays finite
+        query_gather[i, :len(q)] = q
+        scatter.append(i * max_q + np.arange(len(q)))
     write_slots = np.concatenate([r.key_slots[len(r.key_slots) - len(r.encoder_tokens):] for r in rows])
     write_tokens = np.concatenate([r.encoder_tokens for r in rows])
 
     def dev(a):
         return torch.from_numpy(a).to(device, non_blocking=True)
 
-    return CanvasAttentionMetadata(dev(write_slots), dev(write_tokens), dev(key_slots), dev(canvas_gather),
-                                   dev(query_gather), dev(np.concatenate(scatter)),
+    return CanvasAttentionMetadata(dev(write_slots), dev(write_tokens), dev(canvas_gather), dev(query_gather),
+                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()},
                                    {s: dev(m)[:, None] for s, m in masks.items()})
 
 
@@ -117,10 +130,12 @@ class PagedCanvasAttention:
         if meta.write_slots.numel():
             cache_k[meta.write_slots] = k[meta.write_tokens]
             cache_v[meta.write_slots] = v[meta.write_tokens]
-        keys = torch.cat([cache_k[meta.key_slots], k[meta.canvas_gather]], dim=1)  # [R, K + L, Hkv, D]
-        values = torch.cat([cache_v[meta.key_slots], v[meta.canvas_gather]], dim=1)
+        sliding = self.layer_is_sliding[layer_idx]
+        slots = meta.key_slots[sliding]
+        keys = torch.cat([cache_k[slots], k[meta.canvas_gather]], dim=1)  # [R, K + L, Hkv, D]
+        values = torch.cat([cache_v[slots], v[meta.canvas_gather]], dim=1)
         queries = q[meta.query_gather]  # [R, Q, H, D]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.masks[self.layer_is_sliding[layer_idx]], scale=1.0, enable_gqa=True)
+            attn_mask=meta.masks[sliding], scale=1.0, enable_gqa=True)
         return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.query_scatter]
