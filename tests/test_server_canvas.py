@@ -56,3 +56,11 @@ def test_bad_canvas_knobs_are_400_naming_the_field(server, body, param):
     response = server.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_chat_completion_is_served(server):
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 12, "seed": 3,
+                                                         "messages": [{"role": "user", "content": "Hi there"}]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["finish_reason"] in ("stop", "length")
