@@ -201,3 +201,23 @@ def test_sliding_layers_never_read_past_their_window(hf):
     finally:
         runner.attention.begin = begin
     assert poisoned
+
+
+def test_a_failed_step_is_retried_with_the_same_draws(hf, monkeypatch):
+    """A step that raises after the sampler drew (here: the device->host copy of one batch) is
+    retried row by row; each request's generator was rewound, so tokens still equal transformers'."""
+    llm = engine_llm("scheduler.max_num_seqs=3")
+    import fluxlab.engine.canvas_runner as canvas_runner
+
+    real_step, failed = canvas_runner.canvas_step, []
+
+    def failing_once(logits, current, states, knobs):
+        result = real_step(logits, current, states, knobs)
+        if len(states) > 1 and min(s.forwards for s in states) >= 3 and not failed:  # mid-canvas rows
+            failed.append(len(states))
+            raise RuntimeError("injected")
+        return result
+
+    monkeypatch.setattr(canvas_runner, "canvas_step", failing_once)
+    check(llm, hf, cases(llm.engine.model_config.vocab_size)[:3])
+    assert failed

@@ -90,8 +90,23 @@ class CanvasRunner:
         return state
 
     # --- the forward and the decode step ---
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
+        """One forward and canvas step. A step that raises leaves every row's canvas state (and its
+        generator) as it was, so the engine's retry of each row alone draws the same numbers."""
+        decoding = [row.request for row in batch.rows if row.decodes]
+        saved = [(r, r.canvas.snapshot() if r.canvas is not None else None) for r in decoding]
+        try:
+            return self._run(batch)
+        except BaseException:
+            for request, snapshot in saved:
+                if snapshot is None:
+                    request.canvas = None
+                else:
+                    request.canvas.restore(snapshot)
+            raise
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
         L = self.block_length
         rows, token_ids, positions, canvas_at, decoding = self._rows(batch)
         states = [self._state(r) for r in decoding]

@@ -98,6 +98,18 @@ class CanvasState:
         device = self.generator.device
         return torch.randint(0, vocab_size, (1, canvas_length), generator=self.generator, device=device)[0]
 
+    _FIELDS = ("forwards", "needs_canvas", "canvas", "prev_argmax", "stable_run", "soft_embeds")
+
+    def snapshot(self) -> tuple:
+        """The state before a step (a step replaces these tensors, never writes into them)."""
+        return self.generator.get_state(), tuple(getattr(self, f) for f in self._FIELDS)
+
+    def restore(self, snapshot: tuple) -> None:
+        generator_state, values = snapshot
+        self.generator.set_state(generator_state)
+        for name, value in zip(self._FIELDS, values):
+            setattr(self, name, value)
+
     def enter_canvas(self) -> None:
         self.forwards = 0
         self.prev_argmax = self.stable_run = self.soft_embeds = None
