@@ -221,3 +221,8 @@ def test_a_failed_step_is_retried_with_the_same_draws(hf, monkeypatch):
     monkeypatch.setattr(canvas_runner, "canvas_step", failing_once)
     check(llm, hf, cases(llm.engine.model_config.vocab_size)[:3])
     assert failed
+
+
+def test_dense_layout_static_policy(hf):
+    llm = engine_llm("scheduler=static", "engine.kv_cache_layout=dense", "scheduler.enable_prefix_cache=false")
+    check(llm, hf, cases(llm.engine.model_config.vocab_size, seeds=(0, 1))[:5])
