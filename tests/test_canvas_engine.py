@@ -226,3 +226,15 @@ def test_a_failed_step_is_retried_with_the_same_draws(hf, monkeypatch):
 def test_dense_layout_static_policy(hf):
     llm = engine_llm("scheduler=static", "engine.kv_cache_layout=dense", "scheduler.enable_prefix_cache=false")
     check(llm, hf, cases(llm.engine.model_config.vocab_size, seeds=(0, 1))[:5])
+
+
+def test_llada2_models_refuse_canvas_knobs_per_request():
+    from fluxlab.engine.llm_engine import LLMEngine  # noqa: F401  (the LLaDA2 engine)
+
+    llada = LLM(overrides=["model=tiny_llada2", "engine.dtype=float32", "engine.device=cpu", "model.max_model_len=256"])
+    for knobs, param in (({"entropy_bound": 0.5}, "entropy_bound"), ({"max_denoising_steps": 4}, "max_denoising_steps"),
+                         ({"decoder": "canvas"}, "decoder")):
+        with pytest.raises(InvalidRequest) as err:
+            llada.engine.add_request([5, 6, 7], SamplingParams(**knobs))
+        assert err.value.param == param
+    assert not llada.engine.has_unfinished()

@@ -302,9 +302,15 @@ class LLMEngine:
         return request_id
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
+
         if params.decoder == "canvas":
             raise InvalidRequest(f"decoder=canvas decodes Diffusion-Gemma canvases; {self.cfg.model.name} is not "
                                  "a Diffusion-Gemma model", "decoder")
+        for name in CANVAS_KNOBS:  # resolve() filled them from the config: a different value is the request's
+            if getattr(params, name) != self.cfg.decoding[name]:
+                raise InvalidRequest(f"{name} is a canvas-decoder knob (Diffusion-Gemma); {self.cfg.model.name} "
+                                     "does not read it", name)
         return Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
                        self.hidden_ids)
 

@@ -113,7 +113,6 @@ class GemmaExperts(nn.Module):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """CUDA bf16 (speed work): (token, slot) pairs sorted by expert, two grouped GEMMs. Sums in
         another order than transformers' loop, so bf16 rounding differs; fp32 parity uses the loop."""
