@@ -62,43 +62,31 @@ class CanvasAttentionMetadata:
 
 def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int,
                           device: torch.device) -> CanvasAttentionMetadata:
+    """Host arrays are O(keys) (slots, per-row counts); the [R, Q, K] masks are built on the device."""
     num_rows = len(rows)
     L = canvas_length
-    queries = [np.concatenate([r.encoder_tokens, r.canvas_tokens]) for r in rows]
-    max_q = max(len(q) for q in queries)
-    # each row's first prefix key position per layer type: 0, or the oldest a sliding query sees
-    # (encoder query at p: p - window + 1; canvas at k: k - (window - 1))
-    first = {False: [0] * num_rows, True: []}
-    for row in rows:
-        k, ne = len(row.key_slots), len(row.encoder_tokens)
-        first[True].append(max(0, (k - ne if ne else k) - (window - 1)))
-    key_slots, masks = {}, {}
+    num_keys = np.array([len(r.key_slots) for r in rows], dtype=np.int64)  # K: prefix keys after the writes
+    num_encoder = np.array([len(r.encoder_tokens) for r in rows], dtype=np.int64)
+    has_canvas = np.array([len(r.canvas_tokens) > 0 for r in rows])
+    num_queries = num_encoder + L * has_canvas
+    max_q = int(num_queries.max())
+    # each row's first prefix key per layer type: 0, or the oldest position a sliding query sees
+    # (encoder query at p: p - window + 1; canvas at K: K - (window - 1))
+    oldest_query = np.where(num_encoder > 0, num_keys - num_encoder, num_keys)
+    first = {False: np.zeros(num_rows, dtype=np.int64), True: np.maximum(0, oldest_query - (window - 1))}
+    key_slots = {}
     for sliding in (False, True):
-        lens = [len(r.key_slots) - f for r, f in zip(rows, first[sliding])]
-        max_k = max(max(lens), 1)
+        max_k = max(int((num_keys - first[sliding]).max()), 1)
         slots = np.zeros((num_rows, max_k), dtype=np.int64)
-        mask = np.zeros((num_rows, max_q, max_k + L), dtype=bool)
-        for i, (row, q, lo) in enumerate(zip(rows, queries, first[sliding])):
-            k, ne = len(row.key_slots), len(row.encoder_tokens)
-            slots[i, :k - lo] = row.key_slots[lo:]
-            key_pos = lo + np.arange(max_k)
-            valid = key_pos < k
-            q_pos = np.arange(k - ne, k)[:, None]  # encoder queries sit at positions k - ne .. k - 1
-            allowed = valid[None, :] & (key_pos[None, :] <= q_pos)
-            if sliding:
-                allowed &= key_pos[None, :] > q_pos - window
-            mask[i, :ne, :max_k] = allowed
-            if len(row.canvas_tokens):
-                seen = valid & (key_pos >= k - (window - 1)) if sliding else valid
-                mask[i, ne:ne + L, :max_k] = seen[None, :]
-                mask[i, ne:ne + L, max_k:] = True
-            mask[i, len(q):, 0] = True  # padded queries see one key so softmax stays finite
-        key_slots[sliding], masks[sliding] = slots, mask
+        for i, (row, lo) in enumerate(zip(rows, first[sliding])):
+            slots[i, :len(row.key_slots) - lo] = row.key_slots[lo:]
+        key_slots[sliding] = slots
     canvas_gather = np.zeros((num_rows, L), dtype=np.int64)
     query_gather = np.zeros((num_rows, max_q), dtype=np.int64)
     scatter = []
-    for i, (row, q) in enumerate(zip(rows, queries)):
-        if len(row.canvas_tokens):
+    for i, row in enumerate(rows):
+        q = np.concatenate([row.encoder_tokens, row.canvas_tokens])
+        if has_canvas[i]:
             canvas_gather[i] = row.canvas_tokens
         query_gather[i, :len(q)] = q
         scatter.append(i * max_q + np.arange(len(q)))
@@ -106,11 +94,38 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
     write_tokens = np.concatenate([r.encoder_tokens for r in rows])
 
     def dev(a):
-        return torch.from_numpy(a).to(device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
+    per_row = dev(np.stack([num_keys, num_encoder, num_queries, first[True]]))
+    masks = {sliding: _masks(per_row, key_slots[sliding].shape[1], max_q, L, window, sliding)
+             for sliding in (False, True)}
     return CanvasAttentionMetadata(dev(write_slots), dev(write_tokens), dev(canvas_gather), dev(query_gather),
-                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()},
-                                   {s: dev(m)[:, None] for s, m in masks.items()})
+                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()}, masks)
+
+
+def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
+           sliding: bool) -> torch.Tensor:
+    """[R, 1, Q, max_k + L] bool from per-row (K, encoder queries, queries, sliding first key)."""
+    num_keys, num_encoder, num_queries, sliding_first = (t[:, None, None] for t in per_row)
+    device = per_row.device
+    first = sliding_first if sliding else torch.zeros_like(sliding_first)
+    key_pos = first + torch.arange(max_k, device=device)[None, None, :]  # [R, 1, K]
+    query = torch.arange(max_q, device=device)[None, :, None]  # [1, Q, 1]
+    q_pos = num_keys - num_encoder + query  # encoder queries sit at positions K - ne .. K - 1
+    valid = key_pos < num_keys
+    encoder = valid & (key_pos <= q_pos)
+    canvas = valid
+    if sliding:
+        encoder = encoder & (key_pos > q_pos - window)
+        canvas = canvas & (key_pos >= num_keys - (window - 1))
+    is_encoder = query < num_encoder
+    is_canvas = (query >= num_encoder) & (query < num_queries)
+    prefix = torch.where(is_encoder, encoder, is_canvas & canvas)
+    own_canvas = is_canvas.expand(-1, -1, canvas_length)  # a canvas query sees its whole canvas
+    mask = torch.cat([prefix, own_canvas], dim=-1)
+    padding = (query >= num_queries)[..., 0]  # padded queries see one key so softmax stays finite
+    mask[..., 0] |= padding
+    return mask[:, None]
 
 
 class PagedCanvasAttention:
