@@ -221,7 +221,8 @@ def _source_digest() -> str:
     """Hash of what determines the tiny checkpoint: corpus + the code that writes it."""
     h = hashlib.sha256(f"v{TINY_VERSION}".encode())
     here = Path(__file__).parent
-    for p in [corpus_path(), Path(__file__), here / "engine" / "loader.py", here / "engine" / "presets.py"]:
+    for p in [corpus_path(), Path(__file__), here / "engine" / "loader.py", here / "engine" / "presets.py",
+              here / "checkpoint_diffusion_gemma.py"]:
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
 
@@ -238,10 +239,12 @@ def ensure_tiny_checkpoint(cache_dir=None, preset: str = "tiny") -> Path:
     place atomically; a loser of the race discards its copy and uses the winner's.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    from fluxlab.checkpoint_diffusion_gemma import PRESET as DIFFUSION_GEMMA_PRESET
     from fluxlab.engine.presets import TINY_PRESETS
 
-    if preset not in TINY_PRESETS:
-        raise ValueError(f"ensure_tiny_checkpoint: preset {preset!r} is not one of {TINY_PRESETS}")
+    if preset not in TINY_PRESETS + (DIFFUSION_GEMMA_PRESET,):
+        raise ValueError(f"ensure_tiny_checkpoint: preset {preset!r} is not one of "
+                         f"{TINY_PRESETS + (DIFFUSION_GEMMA_PRESET,)}")
     name = "tiny_llada2" if preset == "tiny" else preset
     final = cache / f"{name}-{_source_digest()}"
     if (final / "config.json").exists():

@@ -27,9 +27,18 @@ TINY_TEXT_CONFIG = dict(
 # The vision tower is unused by text serving but always built by transformers; keep it minimal.
 TINY_VISION_CONFIG = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
+# transformers' random init gives near-uniform logits: every canvas position's entropy is ~log(vocab)
+# and they tie to fp32 rounding, so which position the sampler accepts first is a coin flip between
+# two correct implementations. Scaling the tied embedding (and so the head) spreads the entropies
+# (about 0.05-4 nats) and lets early stopping trigger, so exactness tests test the algorithm.
+EMBED_PEAK = 20.0
 # Denoising knobs of the tiny checkpoint's generation_config.json (the 26B-A4B's own are not public here).
-TINY_GENERATION = dict(max_denoising_steps=8, entropy_bound=1.0, t_min=0.4, t_max=1.0, stability_threshold=2,
-                       confidence_threshold=0.5)
+# Random weights never repeat an argmax canvas (renoised tokens move every prediction), so stability is
+# off (0: transformers then stops on confidence alone) and the confidence bound is where the mean
+# entropy ends (1-2 nats): some canvases stop early. tests/test_canvas_decoding.py checks the
+# stability rule against transformers' StableAndConfidentStoppingCriteria directly.
+TINY_GENERATION = dict(max_denoising_steps=8, entropy_bound=1.0, t_min=0.4, t_max=1.0, stability_threshold=0,
+                       confidence_threshold=1.5)
 
 
 def write_diffusion_gemma_checkpoint(out, seed: int = 0, dtype: str = "float32") -> Path:
@@ -51,6 +60,8 @@ def write_diffusion_gemma_checkpoint(out, seed: int = 0, dtype: str = "float32")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = DiffusionGemmaForBlockDiffusion(config).to(resolve_dtype(dtype)).eval()
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(EMBED_PEAK)  # tied: encoder, decoder and head
     g = dict(TINY_GENERATION)
     model.generation_config = DiffusionGemmaGenerationConfig(
         max_denoising_steps=g["max_denoising_steps"], sampler_config=EntropyBoundSamplerConfig(g["entropy_bound"]),

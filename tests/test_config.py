@@ -45,7 +45,9 @@ def test_every_group_option_composes_and_validates(group, monkeypatch):
     monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)  # the [gpu] extra, not on CPU CI
     for option in options(group):
         cuda = option in ("flashinfer", "fa4")
-        cfg, _ = valid([f"{group}={option}"], cuda=cuda)
+        # the canvas decoder runs on Diffusion-Gemma models only (which select it themselves)
+        model = ["model=tiny_diffusion_gemma"] if (group, option) == ("decoding", "canvas") else []
+        cfg, _ = valid([f"{group}={option}"] + model, cuda=cuda)
         assert cfg.engine.device == ("cuda" if cuda else "cpu")
 
 
@@ -112,7 +114,7 @@ def test_wrong_type_and_unknown_key_fail_at_compose():
 
 
 RULES = [
-    (["decoding.canvas_length=256"], "decoding.canvas_length=256: canvas decoding (Diffusion-Gemma) is not in this build"),
+    (["decoding.canvas_length=256"], "decoding.canvas_length=256: only Diffusion-Gemma models decode canvases"),
     (["engine.page_size=32"], "engine.page_size=32 must equal decoding.block_length=64"),
     (["model.max_model_len=1000"], "model.max_model_len=1000 must be divisible by decoding.block_length=64"),
     (["scheduler.max_scheduled_tokens=500"], "scheduler.max_scheduled_tokens=500 must be divisible by decoding.block_length=64"),

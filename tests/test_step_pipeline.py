@@ -43,7 +43,8 @@ def test_registry_lists_every_decoder_the_config_accepts():
     from fluxlab.config import ConfigError, compose, validate_config
 
     for name in DECODERS:
-        validate_config(compose("generate", [f"decoding.decoder={name}"]), cuda_available=False)
+        model = ["model=tiny_diffusion_gemma"] if name == "canvas" else []  # canvases are Diffusion-Gemma's
+        validate_config(compose("generate", [f"decoding.decoder={name}"] + model), cuda_available=False)
     with pytest.raises(ConfigError, match=", ".join(DECODERS)):
         validate_config(compose("generate", ["decoding.decoder=nosuch"]), cuda_available=False)
 

@@ -57,10 +57,16 @@ class AttentionConfig:
 
 @dataclass
 class DecodingConfig:
-    decoder: str = "threshold"  # threshold | hierarchy | joint_threshold | levenshtein_joint
+    decoder: str = "threshold"  # threshold | hierarchy | joint_threshold | levenshtein_joint | canvas
     block_length: int = 64
     canvas_length: int = 128  # Diffusion-Gemma
-    max_denoising_steps: Optional[int] = None  # overrides steps (smoke tests)
+    max_denoising_steps: Optional[int] = None  # LLaDA2: overrides steps (smoke tests); canvas: steps per canvas
+    # canvas decoder (Diffusion-Gemma); null = the checkpoint's generation_config.json
+    entropy_bound: Optional[float] = None
+    t_min: Optional[float] = None
+    t_max: Optional[float] = None
+    stability_threshold: Optional[int] = None
+    confidence_threshold: Optional[float] = None
     steps: Optional[int] = None  # transfer schedule per block; null -> block_length
     threshold: float = 0.9
     low_threshold: float = 0.3  # hierarchy

@@ -64,6 +64,39 @@ def _model_routing_block(model: DictConfig) -> tuple[int, str]:
     return int(config.get("block_size") or 0), source
 
 
+def _notes_canvas(dec: DictConfig, model: DictConfig, notes: list[str]) -> None:
+    """Diffusion-Gemma: the canvas decoder, and a canvas is the block (one page)."""
+    _check(dec.decoder == "canvas",
+           f"decoding.decoder={dec.decoder}: model={model.name} is a Diffusion-Gemma model; use decoding=canvas")
+    _check(dec.canvas_length >= 1, f"decoding.canvas_length={dec.canvas_length} must be >= 1")
+    if dec.block_length != dec.canvas_length:
+        notes.append(f"decoding.block_length set to decoding.canvas_length={dec.canvas_length} (a canvas is a block)")
+        dec.block_length = dec.canvas_length
+    for key, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0)):
+        _check(dec[key] == default, f"decoding.{key}={dec[key]}: the canvas decoder samples with its own temperature "
+                                    "schedule (decoding.t_min, decoding.t_max); leave it at its default")
+    if dec.t_min is not None and dec.t_max is not None:
+        _check(dec.t_max > dec.t_min, f"decoding.t_max={dec.t_max} must be > decoding.t_min={dec.t_min}")
+
+
+def _check_canvas_engine(cfg: DictConfig) -> None:
+    """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, eager
+    forwards, its experts' own kernels, one device."""
+    attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
+    name = cfg.model.name
+    if attn.backend == "auto":
+        attn.backend = "sdpa"
+    _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: model={name} (Diffusion-Gemma) runs its "
+                                   "own paged sdpa attention in this build; use attention=sdpa")
+    for key in ("use_cuda_graph", "use_decode_cuda_graph", "use_prefill_cuda_graph"):
+        _check(not attn[key], f"attention.{key}=true: model={name} (Diffusion-Gemma) has no CUDA graphs in this build")
+    _check(eng.moe_backend == "auto", f"engine.moe_backend={eng.moe_backend}: model={name} (Diffusion-Gemma) picks "
+                                      "its experts' kernel itself (grouped GEMM on CUDA bf16); leave it at auto")
+    _check(par.tp_size == 1 and par.ep_size == 1,
+           f"parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: model={name} (Diffusion-Gemma) runs on "
+           "one device in this build (parallel.dp_size replicas work)")
+
+
 def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> list[str]:
     """Resolve derived keys of a run config in place and check every cross-field rule."""
     notes: list[str] = []
@@ -94,21 +127,29 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         _check(eng.cpu_kv_cache_gb > 0, f"engine.cpu_kv_cache_gb={eng.cpu_kv_cache_gb} must be > 0")
 
         # --- decoding ---
-        bl = dec.block_length
-        _check(bl >= 1, f"decoding.block_length={bl} must be >= 1")
         # Names and ranges are the decoder registry's (imported here: `--help` must not load torch).
         from fluxlab.engine.decoding.registry import DECODERS, KNOBS
+        from fluxlab.engine.model_kind import is_diffusion_gemma
 
         _check(dec.decoder in DECODERS,
                f"decoding.decoder={dec.decoder!r}: use one of {', '.join(DECODERS)}")
-        # Canvases are Diffusion-Gemma's blocks; no model of this build decodes canvases, so a value
-        # other than the schema default would be accepted and ignored.
-        _check(dec.canvas_length == DecodingConfig.canvas_length,
-               f"decoding.canvas_length={dec.canvas_length}: canvas decoding (Diffusion-Gemma) is not in this build; "
-               "LLaDA2 models decode blocks of decoding.block_length")
-        if dec.max_denoising_steps is not None:
-            dec.steps = dec.max_denoising_steps
-            notes.append(f"decoding.steps set to decoding.max_denoising_steps={dec.max_denoising_steps}")
+        if is_diffusion_gemma(model):
+            _notes_canvas(dec, model, notes)
+        else:
+            _check(dec.decoder != "canvas",
+                   f"decoding.decoder=canvas decodes Diffusion-Gemma canvases; model={model.name} is not one")
+            # Canvases are Diffusion-Gemma's blocks: on any other model the key would be ignored.
+            _check(dec.canvas_length == DecodingConfig.canvas_length,
+                   f"decoding.canvas_length={dec.canvas_length}: only Diffusion-Gemma models decode canvases; "
+                   f"model={model.name} decodes blocks of decoding.block_length")
+            for key in ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
+                _check(dec[key] is None, f"decoding.{key}={dec[key]} is a canvas-decoder knob (Diffusion-Gemma); "
+                                         f"model={model.name} does not read it")
+            if dec.max_denoising_steps is not None:
+                dec.steps = dec.max_denoising_steps
+                notes.append(f"decoding.steps set to decoding.max_denoising_steps={dec.max_denoising_steps}")
+        bl = dec.block_length
+        _check(bl >= 1, f"decoding.block_length={bl} must be >= 1")
         if dec.steps is None:
             dec.steps = bl
         for knob in KNOBS.values():
@@ -163,6 +204,8 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                f"scheduler.max_scheduled_tokens={sched.max_scheduled_tokens} must be >= decoding.block_length={bl}")
 
         # --- attention ---
+        if is_diffusion_gemma(model):
+            _check_canvas_engine(cfg)
         if attn.backend == "auto":
             # FlashInfer has no fp32 kernels: exact-parity (float32) runs on CUDA use sdpa.
             attn.backend = "flashinfer" if on_cuda and eng.dtype != "float32" else "sdpa"

@@ -293,14 +293,26 @@ class LLMEngine:
         request_id = request_id or next_request_id()
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
-                          self.hidden_ids)
+        request = self._make_request(request_id, prompt_ids, params)
         if not self.block_manager.can_hold(request):
             raise InvalidRequest(f"the request needs {request.num_blocks} KV pages; the cache holds "
                                  f"{self.block_manager.num_pages}", "max_tokens")
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
+
+        if params.decoder == "canvas":
+            raise InvalidRequest(f"decoder=canvas decodes Diffusion-Gemma canvases; {self.cfg.model.name} is not "
+                                 "a Diffusion-Gemma model", "decoder")
+        for name in CANVAS_KNOBS:  # resolve() filled them from the config: a different value is the request's
+            if getattr(params, name) != self.cfg.decoding[name]:
+                raise InvalidRequest(f"{name} is a canvas-decoder knob (Diffusion-Gemma); {self.cfg.model.name} "
+                                     "does not read it", name)
+        return Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
+                       self.hidden_ids)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -371,6 +383,12 @@ class LLMEngine:
 
 def make_engine(cfg: DictConfig) -> LLMEngine:
     """The engine for a validated run config (tensor/expert parallel groups start their workers)."""
+    from fluxlab.engine.model_kind import is_diffusion_gemma
+
+    if is_diffusion_gemma(cfg.model):  # canvas decoding (canvas_engine.py)
+        from fluxlab.engine.canvas_engine import CanvasEngine
+
+        return CanvasEngine(cfg)
     if cfg.parallel.tp_size > 1:
         from fluxlab.engine.distributed.engine import ParallelEngine
 

@@ -34,6 +34,12 @@ class SamplingParams:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
+    max_denoising_steps: Optional[int] = None  # canvas decoder (Diffusion-Gemma); None after resolve =
+    entropy_bound: Optional[float] = None  # the checkpoint's generation_config.json (the canvas engine fills it)
+    t_min: Optional[float] = None
+    t_max: Optional[float] = None
+    stability_threshold: Optional[int] = None
+    confidence_threshold: Optional[float] = None
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False

@@ -18,6 +18,7 @@ class Knob:
     maximum: Optional[float] = None
     exclusive_minimum: bool = False
     up_to_block_length: bool = False  # maximum is the run's decoding.block_length
+    optional: bool = False  # None is allowed: the checkpoint's generation_config.json value
     help: str = ""
 
     def bounds(self, block_length: Optional[int] = None) -> tuple[Optional[float], Optional[float]]:
@@ -28,6 +29,8 @@ class Knob:
         """Why `value` is not allowed (None when it is): the message names the knob (and
         block_length where it bounds it), each behind `prefix` ("decoding." for config keys)."""
         low, high = self.bounds(block_length)
+        if value is None and self.optional:
+            return None
         if self.kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 return f"{prefix}{self.name}={value!r} must be an integer"
@@ -57,6 +60,16 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("top_k", int, 0, help="0 = off"),
     Knob("max_steps_per_block", int, 2,
          help="levenshtein_joint: hard cap on forwards per block (a final round, then the commit)"),
+    # Diffusion-Gemma's canvas decoder (decoding/canvas.py); null = the checkpoint's generation_config.json.
+    Knob("max_denoising_steps", int, 1, optional=True, help="canvas: denoising steps per canvas (N of the schedule)"),
+    Knob("entropy_bound", float, 0.0, exclusive_minimum=True, optional=True,
+         help="canvas: accept the lowest-entropy positions while their entropy sum minus the largest stays <= this"),
+    Knob("t_min", float, 0.0, optional=True, help="canvas: temperature at the last denoising step"),
+    Knob("t_max", float, 0.0, optional=True, help="canvas: temperature at the first denoising step (> t_min)"),
+    Knob("stability_threshold", int, 0, optional=True,
+         help="canvas: early stop needs the argmax canvas unchanged over this many steps"),
+    Knob("confidence_threshold", float, 0.0, exclusive_minimum=True, optional=True,
+         help="canvas: early stop needs the mean entropy below this"),
 )}
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; requests take the signed int64 range (the

@@ -6,6 +6,7 @@ decoder tie every text weight:
 - `denoise(canvas_ids, positions, attn, self_conditioning_logits)`: a canvas, bidirectional over
   prefix + canvas, no K/V writes; the previous step's logits come back in as soft embeddings
   through the self-conditioning MLP (zeros on the first step).
+- `forward(ids, positions, attn, is_canvas, soft_embeds)`: both in one flattened batch (the engine's).
 Both return hidden states; `compute_logits` applies the tied head and the final soft-cap.
 The model sees flattened tokens, absolute positions and an attention backend with
 `attn.forward(layer_idx, q, k, v)` (diffusion_gemma_attention.py); never requests or masks.
@@ -114,6 +115,21 @@ class DiffusionGemmaModel(nn.Module):
         soft = (torch.zeros_like(embeds) if self_conditioning_logits is None
                 else self.soft_embed(self_conditioning_logits))
         return self._layers(self.self_conditioning(embeds, soft), positions, attn, encoder=False)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn, is_canvas: torch.Tensor,
+                soft_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Both passes in one forward (the engine's): encoder tokens (is_canvas False: a prompt
+        chunk or a committed canvas) and canvas tokens, flattened. Every step but attention is per
+        token, so a mixed batch computes what the two passes compute apart. `soft_embeds` [canvas
+        tokens, H] is the self-conditioning input (`soft_embed` of the previous step; zeros at a
+        canvas' first step; None: all zeros)."""
+        h = self.embed(ids)
+        canvas = is_canvas.nonzero().squeeze(-1)
+        if canvas.numel():
+            embeds = h[canvas]
+            soft = torch.zeros_like(embeds) if soft_embeds is None else soft_embeds.to(embeds.dtype)
+            h = h.index_copy(0, canvas, self.self_conditioning(embeds, soft))
+        return self._layers(h, positions, attn, encoder=~is_canvas)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head, then fp32 soft-capping cap * tanh(logits / cap)."""

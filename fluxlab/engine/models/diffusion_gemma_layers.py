@@ -103,6 +103,8 @@ class GemmaExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if _grouped_mm_ok(x):
+            return self._grouped(x, weights, index)
         out = torch.zeros_like(x)
         for expert in index.unique().tolist():
             token, slot = torch.where(index == expert)
@@ -110,6 +112,24 @@ class GemmaExperts(nn.Module):
             y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """CUDA bf16 (speed work): (token, slot) pairs sorted by expert, two grouped GEMMs. Sums in
+        another order than transformers' loop, so bf16 rounding differs; fp32 parity uses the loop."""
+        num_tokens, top_k = index.shape
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        offs = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x[order // top_k], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, -1)
+        ys = torch._grouped_mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(1, 2), offs=offs)
+        out = torch.empty_like(ys)
+        out[order] = ys
+        return (out.view(num_tokens, top_k, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -132,7 +152,8 @@ class GemmaDecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))  # canvas (decoder) pass
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
+                encoder: bool | torch.Tensor) -> torch.Tensor:
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
@@ -140,4 +161,6 @@ class GemmaDecoderLayer(nn.Module):
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
         routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
         x = x + self.post_feedforward_layernorm(dense + routed)
+        if isinstance(encoder, torch.Tensor):  # a mixed forward: per token, True = encoder pass
+            return x * torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
         return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)

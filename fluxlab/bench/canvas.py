@@ -1,0 +1,163 @@
+"""Diffusion-Gemma canvas micro-benchmark (GPU): denoiser and commit forwards, then served tok/s.
+
+    python -m fluxlab.bench.canvas [--preset diffusion_gemma_26b_a4b] [--batch-sizes 1,16,64]
+        [--concurrency 1,16] [--steps 16] [--prompt-tokens 256] [--max-new-tokens 1024] [--out FILE]
+
+Random bf16 weights of the preset on the GPU (model.load_format=random). Part 1, per batch size B:
+B requests whose prompt K/V is in the cache; "denoise" = one forward over B canvases + the canvas
+decoder step (what a denoising step costs), "denoise_forward" = the forward and logits alone,
+"commit" = one encoder forward writing B canvases' K/V. Part 2: requests served through the engine
+with a fixed step count (max_denoising_steps = --steps, confidence_threshold so small that no canvas
+stops early, EOS ignored), all at once at each concurrency: output tokens / wall seconds, TPF.
+Eager forwards (no CUDA graphs for this model yet). Prints a table last; JSON to --out or
+$OUT/canvas_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from fluxlab.engine.request import SamplingParams
+
+
+def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool):
+    from fluxlab.config.compose import compose
+    from fluxlab.config.validate import validate_config
+    from fluxlab.engine.canvas_engine import CanvasEngine
+
+    if smoke:  # the tiny checkpoint on CPU: checks the script, measures nothing
+        model = ["model=tiny_diffusion_gemma", "engine.dtype=float32", "engine.device=cpu"]
+    else:
+        model = ["model=diffusion_gemma", f"model.preset={preset}", "model.load_format=random", "engine.dtype=bfloat16",
+                 "engine.device=cuda"]
+    cfg = compose("bench", model + ["tracking=none"])
+    canvas = cfg.decoding.canvas_length
+    cfg = compose("bench", model + ["tracking=none", f"scheduler.max_num_seqs={max_num_seqs}",
+                                    f"scheduler.num_device_pages={max_num_seqs * pages_per_seq}",
+                                    f"model.max_model_len={(pages_per_seq - 1) * canvas}",
+                                    f"scheduler.max_scheduled_tokens={max_num_seqs * 2 * canvas}"])
+    validate_config(cfg, cuda_available=not smoke)
+    return CanvasEngine(cfg)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    _sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync()
+    return 1e3 * (time.perf_counter() - start) / repeats
+
+
+def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
+    """ms of a denoising step, its forward alone and a commit, for `batch` rows of one canvas each."""
+    from fluxlab.engine.canvas_attention import build_canvas_metadata
+    from fluxlab.engine.canvas_request import CanvasRequest
+    from fluxlab.engine.decoding.canvas import CanvasKnobs
+    from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+
+    runner, L = engine.runner, engine.block_length
+    prompt_pages = -(-prompt_tokens // L)
+    knobs = CanvasKnobs(**(engine.generation_defaults | {"max_denoising_steps": 10**6}))
+    decode_rows, commit_rows = [], []
+    for r in range(batch):
+        request = CanvasRequest(f"bench-{r}", [1] * prompt_tokens, SamplingParams(max_new_tokens=2 * L, seed=r), L,
+                                (), knobs)
+        request.params = SamplingParams(max_new_tokens=2 * L, seed=r, temperature=0.0)
+        first = r * (prompt_pages + 2)
+        request.page_table = list(range(first, first + prompt_pages + 2))
+        request.num_cached_blocks = request.active_block  # the prompt's K/V counts as cached
+        decode_rows.append(ScheduledRow(request, request.active_block, 1, True))
+        commit_rows.append(ScheduledRow(request, request.active_block, 1, False))
+    decode = ScheduledBatch(decode_rows, L)
+    commit = ScheduledBatch(commit_rows, L)
+
+    def forward_only():
+        rows, token_ids, positions, canvas_at, decoding = runner._rows(decode)
+        ids = torch.from_numpy(token_ids).to(runner.device)
+        pos = torch.from_numpy(positions).to(runner.device)
+        is_canvas = torch.ones(len(token_ids), dtype=torch.bool, device=runner.device)
+        runner.attention.begin(build_canvas_metadata(rows, L, runner.model.sliding_window, runner.device))
+        hidden = runner.model(ids, pos, runner.attention, is_canvas)
+        chunk = max(1, runner.step_elements // (L * runner.vocab_size))
+        for lo in range(0, batch, chunk):  # the runner's chunked logits, without the sampler
+            runner.model.compute_logits(hidden[lo * L:(lo + chunk) * L])
+
+    with torch.inference_mode():
+        for row in commit_rows:  # the committed canvas' tokens the commit forward reads
+            request = row.request
+            start, end = request.block_range(request.active_block)
+            request.tokens[start:end] = 1
+        out = {"batch": batch, "canvas": L, "prompt_tokens": prompt_tokens,
+               "denoise_ms": _time(lambda: runner.run(decode), repeats),
+               "denoise_forward_ms": _time(forward_only, repeats),
+               "commit_ms": _time(lambda: runner.run(commit), repeats)}
+    return out
+
+
+def served(engine, concurrency: int, steps: int, prompt_tokens: int, max_new_tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=max_new_tokens, seed=0, ignore_eos=True, max_denoising_steps=steps,
+                            confidence_threshold=1e-9)
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(concurrency)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": i}))
+    finished, tokens, forwards, accepted = 0, 0, 0, 0
+    _sync()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                finished += 1
+                forwards += out.stats.forwards
+                accepted += out.stats.tokens_accepted
+    _sync()
+    wall = time.perf_counter() - start
+    return {"concurrency": concurrency, "steps": steps, "output_tokens": tokens, "wall_s": wall,
+            "tok_per_s": tokens / wall, "tpf": accepted / forwards if forwards else 0.0, "finished": finished}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="diffusion_gemma_26b_a4b")
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on CPU (checks the script)")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    seqs = max(batches + concurrency)
+    canvas = 8 if args.smoke else 256
+    pages_per_seq = -(-(args.prompt_tokens + args.max_new_tokens) // canvas) + 2
+    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke)
+    results = {"forwards": [forward_times(engine, b, args.prompt_tokens, args.repeats) for b in batches]}
+    results["served"] = [served(engine, c, args.steps, args.prompt_tokens, args.max_new_tokens) for c in concurrency]
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "canvas_bench.json")
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\n{'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10}")
+    for r in results["forwards"]:
+        print(f"{r['batch']:>6} {r['denoise_ms']:>11.2f} {r['denoise_forward_ms']:>11.2f} {r['commit_ms']:>10.2f}")
+    print(f"\n{'conc':>6} {'steps':>6} {'tok/s':>10} {'TPF':>6}")
+    for r in results["served"]:
+        print(f"{r['concurrency']:>6} {r['steps']:>6} {r['tok_per_s']:>10.1f} {r['tpf']:>6.2f}")
+    print(f"\nfull numbers: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Paged attention for Diffusion-Gemma's mixed forward: encoder tokens write K/V, canvas tokens read.
+
+Pages are per layer, each layer with its own K/V shape (sliding layers: head_dim / KV heads of the
+text config; full layers: global_head_dim / num_global_key_value_heads); a page holds one canvas
+(page size = canvas length) of every layer. A row of a forward is one request's encoder tokens
+(prompt chunk or committed canvas, causal) then maybe its canvas (bidirectional over the cached
+prefix + itself, no K/V written). Per layer: the encoder tokens' K/V go to their pages first, then
+each row attends over its cached keys plus its own canvas keys, which come straight from this
+forward. Masks, the same for every layer of a type (what DenseCanvasAttention computes):
+- encoder query at p: keys at positions <= p; sliding layers only the last `window` of them;
+- canvas query: every prefix key and the whole canvas; sliding layers only the last window - 1
+  prefix keys (what transformers' DynamicSlidingWindowLayer keeps).
+Sliding layers gather only the positions some query of the row can see, so their pages older than
+the window are never read (tests/test_canvas_engine.py poisons them); they are still held: every
+page of a request holds every layer (freeing sliding layers' old pages needs a second page pool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class CanvasKVCache:
+    """K and V pools per layer: [num_pages * page_size, kv_heads_l, head_dim_l] (flat slots)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.page_size = page_size
+        self.k = [torch.zeros(num_pages * page_size, h, d, dtype=dtype, device=device) for h, d in shapes]
+        self.v = [torch.zeros(num_pages * page_size, h, d, dtype=dtype, device=device) for h, d in shapes]
+
+    @staticmethod
+    def bytes_per_page(shapes: list[tuple[int, int]], page_size: int, dtype: torch.dtype) -> int:
+        return 2 * page_size * sum(h * d for h, d in shapes) * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class CanvasRow:
+    """One request's part of a forward, in absolute positions (the runner's host view)."""
+
+    key_slots: np.ndarray  # [K] cache slots of positions 0..K-1 (cached + this forward's encoder tokens)
+    encoder_tokens: np.ndarray  # flat token indices of its encoder tokens (positions K - len .. K-1)
+    canvas_tokens: np.ndarray  # flat token indices of its canvas (positions K .. K+L-1), or empty
+
+
+@dataclass
+class CanvasAttentionMetadata:
+    write_slots: torch.Tensor  # [Te] slots of every encoder token
+    write_tokens: torch.Tensor  # [Te] their flat token indices
+    canvas_gather: torch.Tensor  # [R, L] flat token index of each row's canvas keys (0 where none)
+    query_gather: torch.Tensor  # [R, Q] flat token index of each row's queries (0 = padding)
+    query_scatter: torch.Tensor  # [T] index of each flat token in the padded [R * Q] queries
+    # per layer type (sliding?): padded cache slots of each row's prefix keys [R, K_t] and the mask
+    # [R, 1, Q, K_t + L] (True = may attend). Sliding layers gather only the keys some query of the
+    # row can see, so their older pages are never read.
+    key_slots: dict[bool, torch.Tensor]
+    masks: dict[bool, torch.Tensor]
+
+
+def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int,
+                          device: torch.device) -> CanvasAttentionMetadata:
+    """Host arrays are O(keys) (slots, per-row counts); the [R, Q, K] masks are built on the device."""
+    num_rows = len(rows)
+    L = canvas_length
+    num_keys = np.array([len(r.key_slots) for r in rows], dtype=np.int64)  # K: prefix keys after the writes
+    num_encoder = np.array([len(r.encoder_tokens) for r in rows], dtype=np.int64)
+    has_canvas = np.array([len(r.canvas_tokens) > 0 for r in rows])
+    num_queries = num_encoder + L * has_canvas
+    max_q = int(num_queries.max())
+    # each row's first prefix key per layer type: 0, or the oldest position a sliding query sees
+    # (encoder query at p: p - window + 1; canvas at K: K - (window - 1))
+    oldest_query = np.where(num_encoder > 0, num_keys - num_encoder, num_keys)
+    first = {False: np.zeros(num_rows, dtype=np.int64), True: np.maximum(0, oldest_query - (window - 1))}
+    key_slots = {}
+    for sliding in (False, True):
+        max_k = max(int((num_keys - first[sliding]).max()), 1)
+        slots = np.zeros((num_rows, max_k), dtype=np.int64)
+        for i, (row, lo) in enumerate(zip(rows, first[sliding])):
+            slots[i, :len(row.key_slots) - lo] = row.key_slots[lo:]
+        key_slots[sliding] = slots
+    canvas_gather = np.zeros((num_rows, L), dtype=np.int64)
+    query_gather = np.zeros((num_rows, max_q), dtype=np.int64)
+    scatter = []
+    for i, row in enumerate(rows):
+        q = np.concatenate([row.encoder_tokens, row.canvas_tokens])
+        if has_canvas[i]:
+            canvas_gather[i] = row.canvas_tokens
+        query_gather[i, :len(q)] = q
+        scatter.append(i * max_q + np.arange(len(q)))
+    write_slots = np.concatenate([r.key_slots[len(r.key_slots) - len(r.encoder_tokens):] for r in rows])
+    write_tokens = np.concatenate([r.encoder_tokens for r in rows])
+
+    def dev(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    per_row = dev(np.stack([num_keys, num_encoder, num_queries, first[True]]))
+    masks = {sliding: _masks(per_row, key_slots[sliding].shape[1], max_q, L, window, sliding)
+             for sliding in (False, True)}
+    return CanvasAttentionMetadata(dev(write_slots), dev(write_tokens), dev(canvas_gather), dev(query_gather),
+                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()}, masks)
+
+
+def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
+           sliding: bool) -> torch.Tensor:
+    """[R, 1, Q, max_k + L] bool from per-row (K, encoder queries, queries, sliding first key)."""
+    num_keys, num_encoder, num_queries, sliding_first = (t[:, None, None] for t in per_row)
+    device = per_row.device
+    first = sliding_first if sliding else torch.zeros_like(sliding_first)
+    key_pos = first + torch.arange(max_k, device=device)[None, None, :]  # [R, 1, K]
+    query = torch.arange(max_q, device=device)[None, :, None]  # [1, Q, 1]
+    q_pos = num_keys - num_encoder + query  # encoder queries sit at positions K - ne .. K - 1
+    valid = key_pos < num_keys
+    encoder = valid & (key_pos <= q_pos)
+    canvas = valid
+    if sliding:
+        encoder = encoder & (key_pos > q_pos - window)
+        canvas = canvas & (key_pos >= num_keys - (window - 1))
+    is_encoder = query < num_encoder
+    is_canvas = (query >= num_encoder) & (query < num_queries)
+    prefix = torch.where(is_encoder, encoder, is_canvas & canvas)
+    own_canvas = is_canvas.expand(-1, -1, canvas_length)  # a canvas query sees its whole canvas
+    mask = torch.cat([prefix, own_canvas], dim=-1)
+    padding = (query >= num_queries)[..., 0]  # padded queries see one key so softmax stays finite
+    mask[..., 0] |= padding
+    return mask[:, None]
+
+
+class PagedCanvasAttention:
+    """The model's `attn.forward(layer_idx, q, k, v)` over a CanvasKVCache (torch sdpa)."""
+
+    def __init__(self, cache: CanvasKVCache, layer_is_sliding: list[bool]):
+        self.cache = cache
+        self.layer_is_sliding = layer_is_sliding
+        self.meta: CanvasAttentionMetadata | None = None
+
+    def begin(self, meta: CanvasAttentionMetadata) -> None:
+        self.meta = meta
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        cache_k, cache_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        if meta.write_slots.numel():
+            cache_k[meta.write_slots] = k[meta.write_tokens]
+            cache_v[meta.write_slots] = v[meta.write_tokens]
+        sliding = self.layer_is_sliding[layer_idx]
+        slots = meta.key_slots[sliding]
+        keys = torch.cat([cache_k[slots], k[meta.canvas_gather]], dim=1)  # [R, K + L, Hkv, D]
+        values = torch.cat([cache_v[slots], v[meta.canvas_gather]], dim=1)
+        queries = q[meta.query_gather]  # [R, Q, H, D]
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=meta.masks[sliding], scale=1.0, enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.query_scatter]

@@ -1,0 +1,174 @@
+"""The model runner for Diffusion-Gemma: one mixed forward per step, then the canvas decoder.
+
+`run(batch)` keeps ModelRunner's contract (a ScheduledBatch in, a StepOutput out, one
+device->host copy): each row's final blocks (prompt chunks, the canvas just committed) run as
+encoder tokens and write their K/V; its active block, when it decodes, is the request's current
+canvas, denoised with no K/V write. The current canvas lives on the device in the request's
+CanvasState (request.tokens' active block is its host mirror, written by postprocess); when a
+canvas is final its tokens are the argmax canvas and the next forward commits them.
+
+TPF: `filled` is 0 on a denoising step and, on the final one, the tokens that canvas adds to the
+output (cut at max_new_tokens, EOS included), so tokens_accepted / forwards is transformers'
+tokens_per_forward (accepted tokens per denoiser forward).
+
+Memory: every layer keeps a page per canvas; sliding layers read only their last window of
+positions but hold all pages (freeing their old pages needs a second page pool; not done).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fluxlab.engine.canvas_attention import (CanvasKVCache, CanvasRow, PagedCanvasAttention,
+                                             build_canvas_metadata)
+from fluxlab.engine.canvas_request import CanvasRequest
+from fluxlab.engine.decoding.canvas import CanvasState, canvas_step
+from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
+
+
+def kv_shapes(text_config) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) per layer, as transformers' config gives them."""
+    return [(c.num_key_value_heads, c.head_dim) for c in text_config.per_layer_config]
+
+
+class CanvasRunner:
+    def __init__(self, model, num_pages: int, canvas_length: int, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.block_length = canvas_length
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = model.embed_tokens.num_embeddings
+        self.cache = CanvasKVCache(kv_shapes(model.config), num_pages, canvas_length, dtype, device)
+        self.attention = PagedCanvasAttention(self.cache, model.layer_is_sliding)
+        self.num_graph_forwards = 0
+        self.num_eager_forwards = 0
+        self.launched_at = self.results_at = 0.0
+        self.on_step = None  # no tensor parallelism for this model
+        self.special: dict[str, int] = {}
+        self.step_elements = 2**28  # logits elements per decode chunk (1 GiB of fp32)
+
+    # --- host side ---
+    def _rows(self, batch: ScheduledBatch):
+        L = self.block_length
+        rows, token_ids, positions, canvas_at, decoding = [], [], [], [], []
+        offset = 0
+        for row in batch.rows:
+            request: CanvasRequest = row.request
+            table = np.asarray(request.page_table, dtype=np.int64)
+            enc_start = max(row.first_block * L, request.num_pad)
+            enc_end = (row.first_block + row.num_commit_blocks) * L
+            ids = request.tokens[enc_start:enc_end]
+            index = np.arange(request.num_pad, enc_end)
+            key_slots = table[index // L] * L + index % L
+            encoder_tokens = offset + np.arange(len(ids))
+            token_ids.append(ids)
+            positions.append(np.arange(enc_start, enc_end) - request.num_pad)
+            offset += len(ids)
+            canvas_tokens = np.zeros(0, dtype=np.int64)
+            if row.decodes:
+                start = request.active_block * L - request.num_pad
+                canvas_tokens = offset + np.arange(L)
+                canvas_at.append(offset)
+                token_ids.append(np.zeros(L, dtype=np.int64))  # filled on the device from the state
+                positions.append(np.arange(start, start + L))
+                decoding.append(request)
+                offset += L
+            rows.append(CanvasRow(key_slots, encoder_tokens, canvas_tokens))
+        return rows, np.concatenate(token_ids), np.concatenate(positions), canvas_at, decoding
+
+    def _state(self, request: CanvasRequest) -> CanvasState:
+        if request.canvas is None:
+            request.canvas = CanvasState(request.params.seed, self.device)
+        state = request.canvas
+        if state.needs_canvas:  # a new canvas starts: its uniform random tokens, from the request's generator
+            state.canvas = state.draw_canvas(self.vocab_size, self.block_length)
+            state.enter_canvas()
+            state.needs_canvas = False
+        return state
+
+    # --- the forward and the decode step ---
+    def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
+        """One forward and canvas step. A step that raises leaves every row's canvas state (and its
+        generator) as it was, so the engine's retry of each row alone draws the same numbers."""
+        decoding = [row.request for row in batch.rows if row.decodes]
+        saved = [(r, r.canvas.snapshot() if r.canvas is not None else None) for r in decoding]
+        try:
+            return self._run(batch)
+        except BaseException:
+            for request, snapshot in saved:
+                if snapshot is None:
+                    request.canvas = None
+                else:
+                    request.canvas.restore(snapshot)
+            raise
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
+        L = self.block_length
+        rows, token_ids, positions, canvas_at, decoding = self._rows(batch)
+        states = [self._state(r) for r in decoding]
+        ids = torch.from_numpy(token_ids.astype(np.int64)).to(self.device)
+        pos = torch.from_numpy(positions.astype(np.int64)).to(self.device)
+        is_canvas = torch.zeros(len(token_ids), dtype=torch.bool, device=self.device)
+        soft = None
+        if decoding:
+            canvas_index = torch.from_numpy(np.concatenate([a + np.arange(L) for a in canvas_at])).to(self.device)
+            ids.index_copy_(0, canvas_index, torch.cat([s.canvas for s in states]))
+            is_canvas[canvas_index] = True
+            if any(s.soft_embeds is not None for s in states):
+                hidden_size = self.model.embed_tokens.embedding_dim
+                zeros = torch.zeros(L, hidden_size, dtype=self.dtype, device=self.device)
+                soft = torch.cat([s.soft_embeds if s.soft_embeds is not None else zeros for s in states])
+        self.attention.begin(build_canvas_metadata(rows, L, self.model.sliding_window, self.device))
+        self.launched_at = time.perf_counter()
+        self.num_eager_forwards += 1
+        hidden = self.model(ids, pos, self.attention, is_canvas, soft)
+        if not decoding:
+            return None
+        canvas_hidden = hidden[canvas_index].view(len(decoding), L, -1)
+        blocks, finals = [], []
+        # Rows in chunks: the step holds several [rows, L, vocab] fp32 tensors (26B-A4B: 256 MiB a row
+        # each); every op is per row, so chunking changes no value.
+        chunk = max(1, self.step_elements // (L * self.vocab_size))
+        for lo in range(0, len(decoding), chunk):
+            hi = min(lo + chunk, len(decoding))
+            logits = self.model.compute_logits(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
+            step = canvas_step(logits, torch.stack([s.canvas for s in states[lo:hi]]), states[lo:hi],
+                               [r.knobs for r in decoding[lo:hi]])
+            soft_next = self.model.soft_embed(step.processed.to(self.model.embed_tokens.weight.dtype))
+            for i, s in enumerate(states[lo:hi]):
+                s.canvas = step.block[i]
+                s.soft_embeds = soft_next[i]
+            blocks.append(step.block)
+            finals.append(step.final)
+        host = torch.cat([torch.cat(blocks), torch.cat(finals)[:, None].long()], dim=1).cpu().numpy()  # one copy
+        self.results_at = time.perf_counter()
+        blocks, final = host[:, :L], host[:, L].astype(bool)
+        filled = np.zeros(len(decoding), dtype=np.int64)
+        for i, request in enumerate(decoding):
+            if final[i]:
+                states[i].needs_canvas = True
+                filled[i] = self._committed_tokens(request, blocks[i])
+        zeros = np.zeros(len(decoding), dtype=np.int64)
+        return StepOutput(blocks, filled, zeros, final, {})
+
+    @staticmethod
+    def _committed_tokens(request: CanvasRequest, canvas: np.ndarray) -> int:
+        """Tokens a final canvas adds to the output: up to max_new_tokens, through the first EOS."""
+        start = request.active_block * request.block_length
+        room = request.num_prompt_tokens + request.params.max_new_tokens - start
+        new = canvas[:max(0, min(len(canvas), room))].tolist()
+        if not request.params.ignore_eos:
+            stops = [new.index(e) for e in request.eos_ids if e in new]
+            if stops:
+                return min(stops) + 1
+        return len(new)
+
+    def invalidate_step_state(self) -> None:
+        """Nothing to rewrite: canvas state lives on each request."""
+
+    def release_graphs(self) -> None:
+        pass

@@ -1,0 +1,165 @@
+"""Diffusion-Gemma canvas decoding: transformers' entropy-bound sampler, one step per forward.
+
+The definition of right is transformers' `DiffusionGemmaGenerationMixin.generate`
+(models/diffusion_gemma/generation_diffusion_gemma.py, 5.24). For one request at batch 1 it does,
+per canvas: draw a uniform random canvas; then for cur_step = N .. 1 (N = max_denoising_steps):
+1. logits / T with T = t_min + (t_max - t_min) * (cur_step / N), in float32 (a 0-dim tensor);
+2. sample every position (multinomial over the softmax), argmax of the same logits;
+3. accept the k lowest-entropy positions whose entropy sum minus its largest term is <= the bound;
+4. renoise: a whole fresh random canvas, keeping the accepted positions;
+5. stop once the argmax canvas equals the last `stability_threshold` argmax canvases and the mean
+   entropy is below `confidence_threshold`;
+6. the temperature-scaled logits come back next step as self-conditioning.
+The committed canvas is the last step's *argmax* canvas (not the accepted one), encoded causally.
+
+Each request owns a torch.Generator seeded with its seed and consumes it in exactly that order
+(canvas init, then per step: multinomial over the canvas, randint over the canvas), so its tokens
+do not depend on the batch it runs in. Everything else is vectorised over the batch's rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fluxlab.engine.decoding.base import Decoder
+
+# Transformers' global defaults (DiffusionGemmaGenerationConfig._get_default_generation_params), used for
+# knobs a checkpoint's generation_config.json leaves unset, or when there is no checkpoint (random weights).
+TRANSFORMERS_DEFAULTS = dict(max_denoising_steps=48, entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
+                             confidence_threshold=0.005)
+CANVAS_KNOBS = tuple(TRANSFORMERS_DEFAULTS)
+
+
+class Canvas(Decoder):
+    """Registry entry of the canvas decoder (names, knobs, checks). Its step is `canvas_step`, run by
+    the canvas runner (canvas_runner.py): it draws from a per-request generator and carries float
+    state (self-conditioning) that the mask-filling protocol's DecodeBatch has no place for."""
+
+    name = "canvas"
+    knobs = ()  # its knobs (CANVAS_KNOBS) live on the request as CanvasKnobs, not in the seat table
+    needs_logits = True
+
+    def step(self, batch):
+        raise TypeError("decoder 'canvas' runs in the canvas runner (Diffusion-Gemma models only)")
+
+
+@dataclass(frozen=True)
+class CanvasKnobs:
+    max_denoising_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    stability_threshold: int
+    confidence_threshold: float
+
+    def temperature(self, forwards_done: int) -> float:
+        """The schedule's temperature for the next forward, bit-exact with transformers: its
+        cur_step counts down N..1 and the arithmetic runs on a 0-dim int32 tensor (float32 result)."""
+        cur_step = torch.tensor(self.max_denoising_steps - forwards_done, dtype=torch.int32)
+        return float(self.t_min + ((self.t_max - self.t_min) * (cur_step / self.max_denoising_steps)))
+
+
+def read_generation_defaults(model_dir) -> dict:
+    """The canvas knobs of a checkpoint's generation_config.json (transformers' own parsing),
+    transformers' global defaults for the ones it leaves unset."""
+    from pathlib import Path
+
+    out = dict(TRANSFORMERS_DEFAULTS)
+    if model_dir is None or not (Path(model_dir) / "generation_config.json").is_file():
+        return out
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    g = DiffusionGemmaGenerationConfig.from_pretrained(str(model_dir))
+    values = dict(max_denoising_steps=g.max_denoising_steps, t_min=g.t_min, t_max=g.t_max,
+                  stability_threshold=g.stability_threshold, confidence_threshold=g.confidence_threshold,
+                  entropy_bound=g.sampler_config.entropy_bound if g.sampler_config is not None else None)
+    out.update({k: v for k, v in values.items() if v is not None})
+    return out
+
+
+class CanvasState:
+    """One request's denoising state on the device. It lives on the request, so preemption (which
+    frees pages only) keeps it, and the generator is consumed once per draw whatever the batch."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.forwards = 0  # denoiser forwards on the current canvas
+        self.needs_canvas = True  # the next canvas' random start is not drawn yet
+        self.canvas: Optional[torch.Tensor] = None  # [L] the canvas the next forward denoises
+        self.prev_argmax: Optional[torch.Tensor] = None  # [L] argmax canvas of the previous step
+        self.stable_run: Optional[torch.Tensor] = None  # 0-dim: consecutive previous steps with that argmax
+        self.soft_embeds: Optional[torch.Tensor] = None  # [L, H] self-conditioning input (None: zeros)
+
+    def draw_canvas(self, vocab_size: int, canvas_length: int) -> torch.Tensor:
+        """A uniform random canvas [L] (transformers' initialize_canvas at batch 1)."""
+        device = self.generator.device
+        return torch.randint(0, vocab_size, (1, canvas_length), generator=self.generator, device=device)[0]
+
+    _FIELDS = ("forwards", "needs_canvas", "canvas", "prev_argmax", "stable_run", "soft_embeds")
+
+    def snapshot(self) -> tuple:
+        """The state before a step (a step replaces these tensors, never writes into them)."""
+        return self.generator.get_state(), tuple(getattr(self, f) for f in self._FIELDS)
+
+    def restore(self, snapshot: tuple) -> None:
+        generator_state, values = snapshot
+        self.generator.set_state(generator_state)
+        for name, value in zip(self._FIELDS, values):
+            setattr(self, name, value)
+
+    def enter_canvas(self) -> None:
+        self.forwards = 0
+        self.prev_argmax = self.stable_run = self.soft_embeds = None
+
+
+@dataclass
+class CanvasStepResult:
+    block: torch.Tensor  # [R, L] the next forward's canvas, or the committed argmax canvas where final
+    final: torch.Tensor  # [R] bool
+    accepted: torch.Tensor  # [R] positions accepted this step
+    processed: torch.Tensor  # [R, L, V] temperature-scaled logits (the next step's self-conditioning)
+
+
+def canvas_step(logits: torch.Tensor, current: torch.Tensor, states: list[CanvasState],
+                knobs: list[CanvasKnobs]) -> CanvasStepResult:
+    """One denoising step for R rows: raw logits [R, L, V] (fp32, soft-capped), the canvases the
+    forward read [R, L]. Updates each state's stopping history; the caller stores self-conditioning."""
+    rows, length, vocab = logits.shape
+    device = logits.device
+    temps = torch.tensor([k.temperature(s.forwards) for k, s in zip(knobs, states)], dtype=torch.float32,
+                         device=device)
+    processed = logits / temps[:, None, None]
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    # Per-request draws, in transformers' order: the whole canvas' multinomial, then the renoise canvas.
+    sampled = torch.stack([torch.multinomial(probs[r], 1, generator=s.generator).squeeze(-1)
+                           for r, s in enumerate(states)])
+    argmax = processed.argmax(dim=-1)
+    entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()  # [R, L]
+    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+    bound = torch.tensor([k.entropy_bound for k in knobs], dtype=torch.float32, device=device)
+    selected = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bound[:, None]
+    accepted = torch.scatter(torch.zeros_like(selected), dim=-1, index=order, src=selected)
+    kept = torch.where(accepted, sampled, current)
+    noise = torch.stack([s.draw_canvas(vocab, length) for s in states])
+    renoised = torch.where(accepted, kept, noise)
+    # Stable: this argmax equals each of the last S (the history starts as -1, so S steps are needed).
+    threshold = torch.tensor([k.stability_threshold for k in knobs], dtype=torch.long, device=device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    prev = torch.stack([s.prev_argmax if s.prev_argmax is not None else torch.full_like(argmax[0], -1)
+                        for s in states])
+    run = torch.stack([s.stable_run if s.stable_run is not None else zero for s in states])
+    same = (argmax == prev).all(dim=-1)
+    stable = (threshold == 0) | (same & (run >= threshold))
+    new_run = torch.where(same, run + 1, torch.ones_like(run))
+    confidence = torch.tensor([k.confidence_threshold for k in knobs], dtype=torch.float32, device=device)
+    confident = entropy.mean(dim=-1) < confidence
+    last = torch.tensor([s.forwards + 1 >= k.max_denoising_steps for s, k in zip(states, knobs)], device=device)
+    final = (stable & confident) | last
+    for r, s in enumerate(states):
+        s.prev_argmax, s.stable_run = argmax[r], new_run[r]
+        s.forwards += 1
+    block = torch.where(final[:, None], argmax, renoised)
+    return CanvasStepResult(block, final, accepted.sum(dim=-1), processed)
