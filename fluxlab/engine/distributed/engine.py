@@ -1,15 +1,16 @@
 """ParallelEngine: TP/EP rank 0 in the calling process, tp_size - 1 spawned workers in lockstep.
 
-Rank 0 alone schedules and decodes; before each forward it sends the step's StepInputs (pickled
-once) down each worker's step pipe, then every rank runs the same forward. A worker that dies turns the next
+Rank 0 alone schedules and decodes; before each forward it writes what changed since the last step
+(step_channel.py: new seats, page-table edits, changed tokens) to shared memory and rings each
+worker's doorbell, then every rank runs the same forward. A worker that dies turns the next
 step (or the one in flight) into a RuntimeError naming its rank and exit code; one that fails
 while starting is reported with its rank and traceback within parallel.startup_timeout_s.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
-import pickle
 import socket
 import threading
 import time
@@ -20,7 +21,8 @@ import torch.distributed as dist
 
 from fluxlab.engine.request import EngineFatalError
 from fluxlab.engine.distributed.process import WorkerProcess
-from fluxlab.engine.distributed.worker import SHUTDOWN, RankEngine, init_distributed, rank_device
+from fluxlab.engine.distributed.step_channel import StepWriter
+from fluxlab.engine.distributed.worker import RankEngine, init_distributed, rank_device
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
 
 if TYPE_CHECKING:
@@ -52,6 +54,13 @@ def model_config_for(cfg: DictConfig):
     return LLaDA2MoeConfig.from_dict(preset_checkpoint_config(cfg.model.preset)[0])
 
 
+def special_ids_for(cfg: DictConfig):
+    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loader import special_ids
+
+    return special_ids(resolve_model_dir(cfg.model), preset=cfg.model.preset)
+
+
 class ParallelEngine(RankEngine):
     isolate_failures = False  # a step that raised may have left a collective half done: fatal
     def __init__(self, cfg: DictConfig):
@@ -72,8 +81,14 @@ class ParallelEngine(RankEngine):
         self._messages_lock = threading.Lock()
         port = free_port()
         container = OmegaConf.to_container(cfg, resolve=True)
-        self._workers = {rank: WorkerProcess(rank, {"cfg": container, "port": port})
-                         for rank in range(1, par.tp_size)}
+        special = special_ids_for(cfg)  # the workers build no tokenizer
+        sched, bl = cfg.scheduler, cfg.decoding.block_length
+        self._channel = StepWriter(sched.max_num_seqs, cfg.model.max_model_len // bl, bl, sched.max_scheduled_tokens,
+                                   special.mask_id)
+        payload = {"cfg": container, "port": port, "special": dataclasses.asdict(special),
+                   "channel": self._channel.setup()}
+        self._workers = {rank: WorkerProcess(rank, payload, self._channel.fd) for rank in range(1, par.tp_size)}
+        self._channel.pipes = [w.steps for w in self._workers.values()]
         # Like a daemon process: a script that never calls shutdown() leaves no worker behind.
         atexit.register(self._kill_workers)
         cfg0 = OmegaConf.create(container)
@@ -200,12 +215,12 @@ class ParallelEngine(RankEngine):
     def _broadcast_step(self, inputs) -> None:
         if self._failure is not None or self._dead_workers():
             raise EngineFatalError(self._failure or self._failure_report(wait_s=0.5))
-        self._send_step(inputs)
+        self._channel.send(inputs)  # BrokenPipeError if a worker is gone
 
-    def _send_step(self, message) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for process in self._workers.values():
-            process.steps.send_bytes(data)  # BrokenPipeError if that worker is gone
+    @property
+    def step_bytes_sent(self) -> int:
+        """Bytes rank 0 has sent the workers on the step channel (all workers, doorbells included)."""
+        return self._channel.bytes_sent
 
     def step(self):
         if self._closed:
@@ -236,13 +251,14 @@ class ParallelEngine(RankEngine):
         self._closed = True
         if graceful and not self._dead_workers() and self._failure is None:
             try:
-                self._send_step(SHUTDOWN)
+                self._channel.send_shutdown()
             except Exception:  # noqa: BLE001
                 log.exception("could not send shutdown to the workers")
         deadline = time.monotonic() + (10.0 if graceful else 0.0)
         for process in self._workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
         self._kill_workers()
+        self._channel.close()
 
     def _kill_workers(self) -> None:
         for process in self._workers.values():
