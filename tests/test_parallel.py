@@ -121,7 +121,7 @@ def test_workers_get_per_step_differences_and_leave_no_shared_memory(tp1_tokens)
         assert b"fluxlab.engine.distributed.worker" in worker
         assert [r.token_ids for r in llm.generate(PROMPTS, PARAMS)] == tp1_tokens
         engine = llm.engine
-        steps, sent = engine._channel.num_steps, engine.step_bytes_sent
+        steps, sent = engine._channels[0].num_steps, engine.step_bytes_sent
         prompt = [(13 * i + 5) % 1800 + 3 for i in range(40)]  # 2.5 blocks, in no cache
         engine.add_request(prompt, SamplingParams(max_new_tokens=48, temperature=0.0))
         engine.step()  # prefill + first decode step: the prompt's tokens (8 bytes each) and pages
@@ -131,7 +131,7 @@ def test_workers_get_per_step_differences_and_leave_no_shared_memory(tp1_tokens)
         assert engine.step_bytes_sent - sent <= 40 + 12 + 8 * BL + 4 + 12
         while engine.has_unfinished():
             engine.step()
-        assert engine._channel.num_steps > steps + 2
+        assert engine._channels[0].num_steps > steps + 2
     finally:
         assert_no_children(llm)
     assert set(os.listdir("/dev/shm")) <= shm_before

@@ -110,6 +110,8 @@ def load_engine_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype,
 
 
 class LLMEngine:
+    runner_class = ModelRunner  # data-parallel attention's rank 0 runs a subclass
+
     def __init__(self, cfg: DictConfig):
         from fluxlab.engine.loader import special_ids
         from fluxlab.engine.models.llada2_moe import check_block_length
@@ -147,7 +149,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
-        self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
+        self.runner = self.runner_class(self.model, self.block_manager.num_pages, self.block_length, self.device,
                                   self.dtype, cfg.attention.backend, self.max_model_len // self.block_length,
                                   cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
         segment_sizes = graph_segment_sizes(cfg)

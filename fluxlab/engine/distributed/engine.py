@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fluxlab.engine.request import EngineFatalError
 from fluxlab.engine.distributed.process import WorkerProcess
+from fluxlab.engine.distributed.dp_attention import DataParallelPages, DataParallelRunner
 from fluxlab.engine.distributed.step_channel import StepWriter
 from fluxlab.engine.distributed.worker import RankEngine, init_distributed, rank_device
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
@@ -63,6 +64,7 @@ def special_ids_for(cfg: DictConfig):
 
 class ParallelEngine(RankEngine):
     isolate_failures = False  # a step that raised may have left a collective half done: fatal
+
     def __init__(self, cfg: DictConfig):
         from omegaconf import OmegaConf
 
@@ -71,7 +73,15 @@ class ParallelEngine(RankEngine):
         par = cfg.parallel
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process; shut it down first")
-        check_parallel(model_config_for(cfg), par.tp_size, par.ep_size)  # before any process starts
+        self.dp_attention = bool(par.enable_dp_attention)
+        model_config = model_config_for(cfg)
+        if self.dp_attention and not model_config.num_experts:
+            raise ValueError(f"parallel.enable_dp_attention=true needs a MoE model; model={cfg.model.name} has no "
+                             "routed experts")
+        # before any process starts; under DP attention only the experts are split
+        check_parallel(model_config, 1 if self.dp_attention else par.tp_size, par.ep_size)
+        if self.dp_attention:
+            self.runner_class = DataParallelRunner
         self.tp_size = par.tp_size
         self.startup_timeout_s = float(par.startup_timeout_s)
         self._failure: str | None = None
@@ -83,12 +93,16 @@ class ParallelEngine(RankEngine):
         container = OmegaConf.to_container(cfg, resolve=True)
         special = special_ids_for(cfg)  # the workers build no tokenizer
         sched, bl = cfg.scheduler, cfg.decoding.block_length
-        self._channel = StepWriter(sched.max_num_seqs, cfg.model.max_model_len // bl, bl, sched.max_scheduled_tokens,
-                                   special.mask_id)
+        # TP: one message for all workers; DP attention: each worker its own part of the step.
+        self._channels = [StepWriter(sched.max_num_seqs, cfg.model.max_model_len // bl, bl,
+                                     sched.max_scheduled_tokens, special.mask_id)
+                          for _ in range(par.tp_size - 1 if self.dp_attention else 1)]
         payload = {"cfg": container, "port": port, "special": dataclasses.asdict(special),
-                   "channel": self._channel.setup()}
-        self._workers = {rank: WorkerProcess(rank, payload, self._channel.fd) for rank in range(1, par.tp_size)}
-        self._channel.pipes = [w.steps for w in self._workers.values()]
+                   "channel": self._channels[0].setup()}
+        self._workers = {rank: WorkerProcess(rank, payload, self._channel_of(rank).fd)
+                         for rank in range(1, par.tp_size)}
+        for rank, worker in self._workers.items():
+            self._channel_of(rank).pipes.append(worker.steps)
         # Like a daemon process: a script that never calls shutdown() leaves no worker behind.
         atexit.register(self._kill_workers)
         cfg0 = OmegaConf.create(container)
@@ -105,11 +119,30 @@ class ParallelEngine(RankEngine):
             raise RuntimeError(f"tensor-parallel startup failed (parallel.tp_size={par.tp_size}, "
                                f"parallel.ep_size={par.ep_size}): {report}") from err
         self.cfg = cfg
-        self.runner.on_step = self._broadcast_step
+        if self.dp_attention:
+            self._spread_over_ranks()
+            self.runner.on_step = self._check_workers  # the runner sends each rank its part
+        else:
+            self.runner.on_step = self._broadcast_step
         self._monitor = threading.Thread(target=self._watch_workers, name="fluxlab-tp-monitor", daemon=True)
         self._monitor.start()
         log.info("tensor parallel: tp_size=%d ep_size=%d (%s), %d workers ready", par.tp_size, par.ep_size,
                  par.distributed_backend, len(self._workers))
+
+    def _channel_of(self, rank: int) -> StepWriter:
+        return self._channels[rank - 1 if self.dp_attention else 0]
+
+    def _spread_over_ranks(self) -> None:
+        """DP attention: one block manager per rank behind the one scheduler; the runner steps them all."""
+        from fluxlab.engine.block_manager import BlockManager
+
+        pages = self.block_manager.num_pages  # every rank's pool: the same rule, the same count
+        c = self.cfg
+        managers = [BlockManager(pages, c.engine.kv_cache_layout, pages_per_slot=self.max_model_len // self.block_length,
+                                 enable_prefix_cache=c.scheduler.enable_prefix_cache, first_page=rank * pages)
+                    for rank in range(self.tp_size)]
+        self.block_manager = self.scheduler.block_manager = DataParallelPages(managers, pages)
+        self.runner.channels, self.runner.pages_per_rank, self.runner.world = self._channels, pages, self.tp_size
 
     # --- startup ---
     def _join_group(self, cfg0, port: int):
@@ -212,15 +245,18 @@ class ParallelEngine(RankEngine):
             log.exception("could not abort the NCCL group")
 
     # --- the step ---
-    def _broadcast_step(self, inputs) -> None:
+    def _check_workers(self, inputs=None) -> None:
         if self._failure is not None or self._dead_workers():
             raise EngineFatalError(self._failure or self._failure_report(wait_s=0.5))
-        self._channel.send(inputs)  # BrokenPipeError if a worker is gone
+
+    def _broadcast_step(self, inputs) -> None:
+        self._check_workers()
+        self._channels[0].send(inputs)  # BrokenPipeError if a worker is gone
 
     @property
     def step_bytes_sent(self) -> int:
         """Bytes rank 0 has sent the workers on the step channel (all workers, doorbells included)."""
-        return self._channel.bytes_sent
+        return sum(c.bytes_sent for c in self._channels)
 
     def step(self):
         if self._closed:
@@ -251,14 +287,16 @@ class ParallelEngine(RankEngine):
         self._closed = True
         if graceful and not self._dead_workers() and self._failure is None:
             try:
-                self._channel.send_shutdown()
+                for channel in self._channels:
+                    channel.send_shutdown()
             except Exception:  # noqa: BLE001
                 log.exception("could not send shutdown to the workers")
         deadline = time.monotonic() + (10.0 if graceful else 0.0)
         for process in self._workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
         self._kill_workers()
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def _kill_workers(self) -> None:
         for process in self._workers.values():

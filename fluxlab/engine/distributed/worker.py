@@ -41,7 +41,7 @@ def init_distributed(cfg, rank: int, port: int):
     dist.init_process_group(par.distributed_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=par.tp_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    set_parallel_dims(ParallelDims(rank, par.tp_size, par.ep_size))
+    set_parallel_dims(ParallelDims(rank, par.tp_size, par.ep_size, dp_attention=bool(par.enable_dp_attention)))
     return control
 
 
@@ -110,6 +110,7 @@ def worker_main(payload: dict, messages, steps, shared_fd: int) -> None:
     Connection), serve steps from the step channel until rank 0 says stop."""
     from omegaconf import OmegaConf
 
+    from fluxlab.engine.distributed.dp_attention import run_rank_part
     from fluxlab.engine.distributed.step_channel import StepReader
     from fluxlab.engine.loader import SpecialIds
 
@@ -128,6 +129,9 @@ def worker_main(payload: dict, messages, steps, shared_fd: int) -> None:
         channel = StepReader(shared_fd, steps, **payload["channel"])
         control = init_distributed(cfg, rank, payload["port"])
         engine = WorkerEngine(cfg, control, SpecialIds(**payload["special"]))
+        dp_attention = bool(cfg.parallel.enable_dp_attention)
+        if dp_attention:  # rank 0 numbers every rank's pages in one range; this rank's come at rank * N
+            channel.page_offset = rank * engine.runner.scratch_page
         messages.send(("ready", rank, None))
     except BaseException:  # noqa: BLE001 - report to rank 0, whatever it is
         messages.send(("error", rank, traceback.format_exc()))
@@ -137,7 +141,10 @@ def worker_main(payload: dict, messages, steps, shared_fd: int) -> None:
             step = channel.receive()  # EOFError when rank 0 is gone
             if step is None:
                 break
-            engine.runner.execute(step[0])
+            if dp_attention:
+                run_rank_part(engine.runner, step[0], step[1], cfg.parallel.tp_size)
+            else:
+                engine.runner.execute(step[0])
     except BaseException:  # noqa: BLE001
         messages.send(("error", rank, traceback.format_exc()))
         sys.exit(1)
