@@ -8,6 +8,8 @@ a rank when it is admitted), one decode step on rank 0. Per step `DataParallelRu
 batch by rank, sends each worker its part on its own step channel, runs its own part, and gathers
 the other ranks' logit rows (greedy statistics, or full rows for sampling) to rank 0. A rank
 with no rows runs a one-block dummy on its scratch page, so every rank joins every collective.
+scheduler.max_num_seqs and max_scheduled_tokens are the engine's, over all ranks together.
+Eager only (validate.py refuses CUDA graphs: each rank's token count changes every step).
 """
 from __future__ import annotations
 
