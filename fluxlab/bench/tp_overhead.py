@@ -5,8 +5,9 @@
 For each batch size B: B prompts decode to the end under tp1 and under the layout; the table gives
 the median engine step time of each, their difference (what TP costs the host path here: the CPU
 shards also halve the compute, so this is a lower bound of the control cost), and the bytes that
-cross ranks per step on the control path, counted at rank 0: the pickled StepInputs sent to the
-workers ((tp-1) copies; timed around the runner's on_step, whether gloo or a pipe carries it), and the vocabulary path (an all-gather of fp32 logit shards is received
+cross ranks per step on the control path, counted at rank 0: the step channel's bytes to all
+workers (shared-memory differences + doorbells, `ParallelEngine.step_bytes_sent`; timed around the
+runner's on_step), and the vocabulary path (an all-gather of fp32 logit shards is received
 by every rank: tp*(tp-1)*shard; a gather to rank 0 only (tp-1)*shard). The forward's own all-reduces
 are timed (allred ms), not counted as control bytes.
 Rank 0 and each worker use one thread (FLUXLAB_WORKER_THREADS=1), so the ranks do not fight for cores.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import statistics
 import time
 from contextlib import contextmanager
@@ -84,18 +84,19 @@ def measure(layout: str, batch: int, max_new_tokens: int) -> dict:
         if engine.runner.on_step is not None:  # rank 0 -> workers: the step message, however it travels
             send = engine.runner.on_step
 
-            def counted_send(inputs):
+            def timed_send(inputs):
                 started = time.perf_counter()
                 send(inputs)
                 counts["step_broadcast_s"] += time.perf_counter() - started
-                counts["step_broadcast_bytes"] += (tp_size - 1) * len(pickle.dumps(inputs))
 
-            engine.runner.on_step = counted_send
+            engine.runner.on_step = timed_send
+        sent_before = getattr(engine, "step_bytes_sent", 0)
         with counting_collectives(tp_size, counts):
             while engine.has_unfinished():
                 started = time.perf_counter()
                 engine.step()
                 step_s.append(time.perf_counter() - started)
+        counts["step_broadcast_bytes"] = getattr(engine, "step_bytes_sent", 0) - sent_before
     finally:
         llm.shutdown()
     n = len(step_s)

@@ -268,8 +268,16 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         _check(par.ep_size in (1, par.tp_size),
                f"parallel.ep_size={par.ep_size} with parallel.tp_size={par.tp_size}: supported are "
                "ep_size == tp_size (experts split across the TP ranks) or ep_size=1 (experts split on their width)")
-        _check(not par.enable_dp_attention,
-               "parallel.enable_dp_attention=true is not supported yet; use parallel.dp_size for replicas")
+        if par.enable_dp_attention:
+            # One engine of tp_size ranks: attention data parallel over dp_size = tp_size ranks (each its
+            # own requests and KV), routed experts split over all of them; parallel.dp_size counts those
+            # ranks here, not router replicas.
+            _check(par.tp_size > 1 and par.dp_size == par.tp_size and par.ep_size == par.tp_size,
+                   f"parallel.enable_dp_attention=true needs parallel.dp_size == parallel.ep_size == parallel.tp_size "
+                   f"> 1 (attention whole on each of the tp_size ranks, experts over all of them); got tp_size="
+                   f"{par.tp_size}, dp_size={par.dp_size}, ep_size={par.ep_size}")
+            _check(not graphs, "parallel.enable_dp_attention=true runs eagerly: each rank's token count changes every "
+                               "step; set attention.use_decode_cuda_graph=false and attention.use_prefill_cuda_graph=false")
         _check(par.distributed_backend in ("nccl", "gloo"),
                f"parallel.distributed_backend={par.distributed_backend!r}: use nccl or gloo")
         if not on_cuda and par.distributed_backend == "nccl" and par.tp_size > 1:

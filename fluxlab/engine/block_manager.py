@@ -38,7 +38,9 @@ class CachedBlock:
 
 class BlockManager:
     def __init__(self, num_pages: int, layout: str = "paged", pages_per_slot: int = 0,
-                 enable_prefix_cache: bool = False):
+                 enable_prefix_cache: bool = False, first_page: int = 0):
+        """first_page: the id of this pool's first page (data-parallel attention numbers the pools
+        of all ranks in one range, so a page id says its rank)."""
         if layout == "dense":
             if enable_prefix_cache:
                 raise ValueError("the prefix cache needs the paged KV layout (dense slots are not shared)")
@@ -46,11 +48,12 @@ class BlockManager:
                 raise ValueError(f"dense KV layout needs at least one slot of {pages_per_slot} pages, "
                                  f"the budget holds {num_pages}")
             num_pages -= num_pages % pages_per_slot
-            self.free_slots: deque[int] = deque(range(num_pages // pages_per_slot))
+            first_slot = first_page // pages_per_slot
+            self.free_slots: deque[int] = deque(range(first_slot, first_slot + num_pages // pages_per_slot))
         self.layout = layout
         self.pages_per_slot = pages_per_slot
         self.num_pages = num_pages
-        self.free_pages: deque[int] = deque(range(num_pages))
+        self.free_pages: deque[int] = deque(range(first_page, first_page + num_pages))
         self.enable_prefix_cache = enable_prefix_cache
         self.cached: dict[tuple[int, bytes], CachedBlock] = {}
         self.page_entry: dict[int, CachedBlock] = {}  # page -> its cache entry (cached pages only)

@@ -89,9 +89,31 @@ def graph_segment_sizes(cfg: DictConfig) -> list[int]:
     return sorted(n for n in sizes if 1 <= n <= limit)
 
 
+def load_engine_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype, model_dir: Optional[Path]):
+    """(model, model_config): the checkpoint's weights (or the preset's random ones) on `device`,
+    routed experts on engine.moe_backend. TP workers build their shard with the same call."""
+    from fluxlab.engine.layers.moe import StackedExperts
+    from fluxlab.engine.loader import build_random_model, load_model
+
+    if cfg.model.load_format == "random":
+        model, model_config = build_random_model(cfg.model.preset, dtype, device, seed=cfg.engine.seed)
+    else:
+        model, model_config = load_model(model_dir, dtype, device)
+    moe_backend = cfg.engine.moe_backend
+    if moe_backend == "auto":
+        # Measured on H200 (docs/benchmarks.md): the Triton kernel is ~2x torch._grouped_mm.
+        moe_backend = "triton" if device.type == "cuda" and _has_triton() else "grouped_mm"
+    for module in model.modules():
+        if isinstance(module, StackedExperts):
+            module.backend = moe_backend
+    return model, model_config
+
+
 class LLMEngine:
+    runner_class = ModelRunner  # data-parallel attention's rank 0 runs a subclass
+
     def __init__(self, cfg: DictConfig):
-        from fluxlab.engine.loader import build_random_model, load_model, special_ids
+        from fluxlab.engine.loader import special_ids
         from fluxlab.engine.models.llada2_moe import check_block_length
 
         self.cfg = cfg
@@ -116,38 +138,18 @@ class LLMEngine:
                              f"model={cfg.model.name} has none")
         # Edit tokens are instructions to a decoder, never output (whatever the decoder).
         self.hidden_ids = tuple(i for i in (self.special.delete_id, self.special.split_id) if i is not None)
-        if cfg.model.load_format == "random":
-            self.model, self.model_config = build_random_model(cfg.model.preset, self.dtype, self.device,
-                                                               seed=cfg.engine.seed)
-        else:
-            self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
-        from fluxlab.engine.layers.moe import StackedExperts
-
-        moe_backend = cfg.engine.moe_backend
-        if moe_backend == "auto":
-            # Measured on H200 (docs/benchmarks.md): the Triton kernel is ~2x torch._grouped_mm.
-            moe_backend = "triton" if self.device.type == "cuda" and _has_triton() else "grouped_mm"
-        for module in self.model.modules():
-            if isinstance(module, StackedExperts):
-                module.backend = moe_backend
+        self.model, self.model_config = load_engine_model(cfg, self.device, self.dtype, model_dir)
         self.block_length = cfg.decoding.block_length
         check_block_length(self.model_config, self.block_length)
         self.max_model_len = cfg.model.max_model_len
-        max_pages_useful = cfg.scheduler.max_num_seqs * (self.max_model_len // self.block_length)
-        if cfg.scheduler.num_device_pages > 0:
-            num_pages = cfg.scheduler.num_device_pages
-        elif self.device.type == "cuda":
-            num_pages = min(self._profile_num_pages(free_at_start), max_pages_useful)
-        else:
-            page_bytes = self._page_bytes()
-            num_pages = min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // page_bytes, max_pages_useful)
+        num_pages = self._num_kv_pages(free_at_start if self.device.type == "cuda" else 0)
         layout = cfg.engine.kv_cache_layout
         self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length,
                                           enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
-        self.runner = ModelRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
+        self.runner = self.runner_class(self.model, self.block_manager.num_pages, self.block_length, self.device,
                                   self.dtype, cfg.attention.backend, self.max_model_len // self.block_length,
                                   cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
         segment_sizes = graph_segment_sizes(cfg)
@@ -173,6 +175,17 @@ class LLMEngine:
         return {name: getattr(self.special, name) for name in names if getattr(self.special, name) is not None}
 
     # --- memory ---
+    def _num_kv_pages(self, free_at_start: int) -> int:
+        """KV pages: scheduler.num_device_pages, else the GPU profile, else engine.cpu_kv_cache_gb;
+        never more than max_num_seqs full-length requests can use. (TP workers run the same rule.)"""
+        cfg = self.cfg
+        max_pages_useful = cfg.scheduler.max_num_seqs * (self.max_model_len // self.block_length)
+        if cfg.scheduler.num_device_pages > 0:
+            return cfg.scheduler.num_device_pages
+        if self.device.type == "cuda":
+            return min(self._profile_num_pages(free_at_start), max_pages_useful)
+        return min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // self._page_bytes(), max_pages_useful)
+
     def _page_bytes(self) -> int:
         c = self.model_config
         kv_heads = getattr(self.model, "num_local_kv_heads", c.num_key_value_heads)

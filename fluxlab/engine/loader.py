@@ -114,6 +114,8 @@ class _Assigner:
             lo = module.first_row
             hi = min(lo + module.shard_rows, module.vocab_size)
             return [(param[:hi - lo], (slice(lo, hi),))] if hi > lo else []
+        if isinstance(module, (RowParallelLinear, ColumnParallelLinear)) and module.tp_size == 1:
+            return [(param, None)]  # whole on every rank (data-parallel attention's dense layers)
         if isinstance(module, RowParallelLinear):
             n = param.shape[1]
             return [(param, (all_, slice(rank * n, (rank + 1) * n)))]

@@ -33,13 +33,15 @@ class StepInputs:
     """One forward's inputs as host arrays: flattened tokens and positions, per row (first_block,
     num_blocks, decodes, page_table), and the flat token indices whose logits are needed, the first
     num_greedy of them greedy positions (argmax + probability only; under TP no full logits cross
-    ranks for them). Rank 0 broadcasts it to TP workers."""
+    ranks for them). `seats`: each row's (request.slot, request.serial), so TP workers keep a
+    seat's page table and tokens and are sent only what changed (None: rows of no seat)."""
 
     token_ids: np.ndarray
     positions: np.ndarray
     rows: list[tuple[int, int, bool, list[int]]]
     logit_index: np.ndarray
     num_greedy: int = 0
+    seats: Optional[list[tuple[int, int]]] = None
 
     @property
     def num_segments(self) -> int:
@@ -133,6 +135,7 @@ class ModelRunner:
         """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes."""
         bl = self.block_length
         spans, rows, block_starts, decoding = [], [], [], []
+        seats = [(row.request.slot, row.request.serial) for row in batch.rows]
         offset = 0
         for row in batch.rows:
             request = row.request
@@ -152,7 +155,7 @@ class ModelRunner:
             lengths = np.array([length for _, _, length in spans])
             check_routing_blocks(positions, self.routing_block_size, row_starts=np.cumsum(lengths) - lengths)
         if not decoding:
-            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64)), None
+            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), seats=seats), None
         num = len(decoding)
         block_index = (np.asarray(block_starts)[:, None] + np.arange(bl)).ravel()
         blocks = token_ids[block_index].reshape(num, bl)
@@ -173,7 +176,7 @@ class ModelRunner:
         log_len = np.array([len(r.decoder_log) for r in decoding], dtype=np.int64)
         decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
                                      full_rows, log_len, sorted({r.params.decoder for r in decoding}))
-        return StepInputs(token_ids, positions, rows, logit_index, len(greedy_target)), decode_inputs
+        return StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), seats), decode_inputs
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""

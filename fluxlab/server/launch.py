@@ -35,7 +35,9 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def serve(cfg: DictConfig) -> None:
     """Serve until SIGINT/SIGTERM; exits non-zero when a replica or the router dies."""
-    if cfg.parallel.dp_size > 1 or cfg.server.worker_urls:
+    # Under parallel.enable_dp_attention, dp_size counts the attention ranks of the one engine.
+    replicas = cfg.parallel.dp_size > 1 and not cfg.parallel.enable_dp_attention
+    if replicas or cfg.server.worker_urls:
         code = _serve_router(cfg)
         if code:
             sys.exit(code)

@@ -1,15 +1,16 @@
 """ParallelEngine: TP/EP rank 0 in the calling process, tp_size - 1 spawned workers in lockstep.
 
-Rank 0 alone schedules and decodes; before each forward it sends the step's StepInputs (pickled
-once) down each worker's step pipe, then every rank runs the same forward. A worker that dies turns the next
+Rank 0 alone schedules and decodes; before each forward it writes what changed since the last step
+(step_channel.py: new seats, page-table edits, changed tokens) to shared memory and rings each
+worker's doorbell, then every rank runs the same forward. A worker that dies turns the next
 step (or the one in flight) into a RuntimeError naming its rank and exit code; one that fails
 while starting is reported with its rank and traceback within parallel.startup_timeout_s.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
-import pickle
 import socket
 import threading
 import time
@@ -20,7 +21,9 @@ import torch.distributed as dist
 
 from fluxlab.engine.request import EngineFatalError
 from fluxlab.engine.distributed.process import WorkerProcess
-from fluxlab.engine.distributed.worker import SHUTDOWN, RankEngine, init_distributed, rank_device
+from fluxlab.engine.distributed.dp_attention import DataParallelPages, DataParallelRunner
+from fluxlab.engine.distributed.step_channel import StepWriter
+from fluxlab.engine.distributed.worker import RankEngine, init_distributed, rank_device
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
 
 if TYPE_CHECKING:
@@ -52,8 +55,16 @@ def model_config_for(cfg: DictConfig):
     return LLaDA2MoeConfig.from_dict(preset_checkpoint_config(cfg.model.preset)[0])
 
 
+def special_ids_for(cfg: DictConfig):
+    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loader import special_ids
+
+    return special_ids(resolve_model_dir(cfg.model), preset=cfg.model.preset)
+
+
 class ParallelEngine(RankEngine):
     isolate_failures = False  # a step that raised may have left a collective half done: fatal
+
     def __init__(self, cfg: DictConfig):
         from omegaconf import OmegaConf
 
@@ -62,7 +73,15 @@ class ParallelEngine(RankEngine):
         par = cfg.parallel
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process; shut it down first")
-        check_parallel(model_config_for(cfg), par.tp_size, par.ep_size)  # before any process starts
+        self.dp_attention = bool(par.enable_dp_attention)
+        model_config = model_config_for(cfg)
+        if self.dp_attention and not model_config.num_experts:
+            raise ValueError(f"parallel.enable_dp_attention=true needs a MoE model; model={cfg.model.name} has no "
+                             "routed experts")
+        # before any process starts; under DP attention only the experts are split
+        check_parallel(model_config, 1 if self.dp_attention else par.tp_size, par.ep_size)
+        if self.dp_attention:
+            self.runner_class = DataParallelRunner
         self.tp_size = par.tp_size
         self.startup_timeout_s = float(par.startup_timeout_s)
         self._failure: str | None = None
@@ -72,8 +91,18 @@ class ParallelEngine(RankEngine):
         self._messages_lock = threading.Lock()
         port = free_port()
         container = OmegaConf.to_container(cfg, resolve=True)
-        self._workers = {rank: WorkerProcess(rank, {"cfg": container, "port": port})
+        special = special_ids_for(cfg)  # the workers build no tokenizer
+        sched, bl = cfg.scheduler, cfg.decoding.block_length
+        # TP: one message for all workers; DP attention: each worker its own part of the step.
+        self._channels = [StepWriter(sched.max_num_seqs, cfg.model.max_model_len // bl, bl,
+                                     sched.max_scheduled_tokens, special.mask_id)
+                          for _ in range(par.tp_size - 1 if self.dp_attention else 1)]
+        payload = {"cfg": container, "port": port, "special": dataclasses.asdict(special),
+                   "channel": self._channels[0].setup()}
+        self._workers = {rank: WorkerProcess(rank, payload, self._channel_of(rank).fd)
                          for rank in range(1, par.tp_size)}
+        for rank, worker in self._workers.items():
+            self._channel_of(rank).pipes.append(worker.steps)
         # Like a daemon process: a script that never calls shutdown() leaves no worker behind.
         atexit.register(self._kill_workers)
         cfg0 = OmegaConf.create(container)
@@ -90,11 +119,30 @@ class ParallelEngine(RankEngine):
             raise RuntimeError(f"tensor-parallel startup failed (parallel.tp_size={par.tp_size}, "
                                f"parallel.ep_size={par.ep_size}): {report}") from err
         self.cfg = cfg
-        self.runner.on_step = self._broadcast_step
+        if self.dp_attention:
+            self._spread_over_ranks()
+            self.runner.on_step = self._check_workers  # the runner sends each rank its part
+        else:
+            self.runner.on_step = self._broadcast_step
         self._monitor = threading.Thread(target=self._watch_workers, name="fluxlab-tp-monitor", daemon=True)
         self._monitor.start()
         log.info("tensor parallel: tp_size=%d ep_size=%d (%s), %d workers ready", par.tp_size, par.ep_size,
                  par.distributed_backend, len(self._workers))
+
+    def _channel_of(self, rank: int) -> StepWriter:
+        return self._channels[rank - 1 if self.dp_attention else 0]
+
+    def _spread_over_ranks(self) -> None:
+        """DP attention: one block manager per rank behind the one scheduler; the runner steps them all."""
+        from fluxlab.engine.block_manager import BlockManager
+
+        pages = self.block_manager.num_pages  # every rank's pool: the same rule, the same count
+        c = self.cfg
+        managers = [BlockManager(pages, c.engine.kv_cache_layout, pages_per_slot=self.max_model_len // self.block_length,
+                                 enable_prefix_cache=c.scheduler.enable_prefix_cache, first_page=rank * pages)
+                    for rank in range(self.tp_size)]
+        self.block_manager = self.scheduler.block_manager = DataParallelPages(managers, pages)
+        self.runner.channels, self.runner.pages_per_rank, self.runner.world = self._channels, pages, self.tp_size
 
     # --- startup ---
     def _join_group(self, cfg0, port: int):
@@ -197,15 +245,18 @@ class ParallelEngine(RankEngine):
             log.exception("could not abort the NCCL group")
 
     # --- the step ---
-    def _broadcast_step(self, inputs) -> None:
+    def _check_workers(self, inputs=None) -> None:
         if self._failure is not None or self._dead_workers():
             raise EngineFatalError(self._failure or self._failure_report(wait_s=0.5))
-        self._send_step(inputs)
 
-    def _send_step(self, message) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for process in self._workers.values():
-            process.steps.send_bytes(data)  # BrokenPipeError if that worker is gone
+    def _broadcast_step(self, inputs) -> None:
+        self._check_workers()
+        self._channels[0].send(inputs)  # BrokenPipeError if a worker is gone
+
+    @property
+    def step_bytes_sent(self) -> int:
+        """Bytes rank 0 has sent the workers on the step channel (all workers, doorbells included)."""
+        return sum(c.bytes_sent for c in self._channels)
 
     def step(self):
         if self._closed:
@@ -236,13 +287,16 @@ class ParallelEngine(RankEngine):
         self._closed = True
         if graceful and not self._dead_workers() and self._failure is None:
             try:
-                self._send_step(SHUTDOWN)
+                for channel in self._channels:
+                    channel.send_shutdown()
             except Exception:  # noqa: BLE001
                 log.exception("could not send shutdown to the workers")
         deadline = time.monotonic() + (10.0 if graceful else 0.0)
         for process in self._workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
         self._kill_workers()
+        for channel in self._channels:
+            channel.close()
 
     def _kill_workers(self) -> None:
         for process in self._workers.values():

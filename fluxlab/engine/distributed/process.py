@@ -10,10 +10,10 @@ global (`sys.modules["__main__"]`) while other threads run and relies on spawn i
 
 The same picture as a multiprocessing.Process, built from plain parts: the payload (config, rank,
 port, the parent's sys.path) goes over the child's stdin; "ready"/"error" messages come back on a
-pipe (a multiprocessing Connection), each step's StepInputs go out on another (pickled once by rank
-0, one write per worker: no gloo size+data broadcast pair, and a dead reader is a BrokenPipeError
-at once); a pidfd is the sentinel that turns readable when the child
-exits. No semaphore or queue is created, so no resource tracker runs and none can leak.
+pipe (a multiprocessing Connection); each step's difference is written to shared memory (a memfd
+the child inherits) and its doorbell goes out on another pipe (step_channel.py: a dead reader is a
+BrokenPipeError at once); a pidfd is the sentinel that turns readable when the child exits. No
+semaphore, queue or named segment is created, so no resource tracker runs and nothing can leak.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ ENTRY_MODULE = "fluxlab.engine.distributed.worker"
 class WorkerProcess:
     """Started at construction; exitcode follows multiprocessing's rule (-N: killed by signal N)."""
 
-    def __init__(self, rank: int, payload: dict):
+    def __init__(self, rank: int, payload: dict, shared_fd: int):
+        """shared_fd: the step channel's shared memory (a memfd), inherited by the child."""
         read_fd, write_fd = os.pipe()
         step_read_fd, step_write_fd = os.pipe()
         env = dict(os.environ)
@@ -41,15 +42,16 @@ class WorkerProcess:
         package_root = str(Path(fluxlab.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         try:
-            self._popen = subprocess.Popen([sys.executable, "-m", ENTRY_MODULE, str(write_fd), str(step_read_fd)],
-                                           stdin=subprocess.PIPE, pass_fds=(write_fd, step_read_fd), env=env)
+            self._popen = subprocess.Popen([sys.executable, "-m", ENTRY_MODULE, str(write_fd), str(step_read_fd),
+                                            str(shared_fd)],
+                                           stdin=subprocess.PIPE, pass_fds=(write_fd, step_read_fd, shared_fd), env=env)
         finally:
             os.close(write_fd)
             os.close(step_read_fd)
         self.rank = rank
         self.pid = self._popen.pid
         self.messages = Connection(read_fd, writable=False)  # EOF once the child has exited
-        self.steps = Connection(step_write_fd, readable=False)  # rank 0 -> worker: pickled step messages
+        self.steps = Connection(step_write_fd, readable=False)  # rank 0 -> worker: step doorbells
         self.sentinel = os.pidfd_open(self.pid)
         try:
             self._popen.stdin.write(pickle.dumps({**payload, "rank": rank, "sys_path": list(sys.path)}))
@@ -87,8 +89,10 @@ class WorkerProcess:
             self.sentinel = None
 
 
-def read_payload() -> tuple[dict, Connection, Connection]:
-    """The child's half: the payload from stdin, the message pipe and the step pipe named on argv."""
+def read_payload() -> tuple[dict, Connection, Connection, int]:
+    """The child's half: the payload from stdin, the message pipe, the step pipe and the step
+    channel's shared-memory fd named on argv."""
     payload = pickle.load(sys.stdin.buffer)
     sys.path[:] = payload.pop("sys_path")  # what spawn would restore: site dirs added at run time too
-    return payload, Connection(int(sys.argv[1]), readable=False), Connection(int(sys.argv[2]), writable=False)
+    return (payload, Connection(int(sys.argv[1]), readable=False), Connection(int(sys.argv[2]), writable=False),
+            int(sys.argv[3]))

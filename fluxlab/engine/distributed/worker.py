@@ -1,15 +1,15 @@
-"""A TP/EP worker process (ranks 1..tp_size-1): the same engine as rank 0, minus the scheduling.
+"""A TP/EP worker process (ranks 1..tp_size-1): a model shard and its runner, nothing else.
 
-It builds its model shard and runner through LLMEngine itself (same profiling forward, same KV
-page count, same CUDA graph captures, so every collective happens in the same order on every
-rank), reports ready, then executes each StepInputs rank 0 sends on its step pipe until it gets None. Started as `python -m fluxlab.engine.distributed.worker`
-(process.py says why not multiprocessing spawn).
+It builds no tokenizer, scheduler or decoder: rank 0 owns requests. It runs the same model build,
+KV profile and CUDA graph captures as rank 0 (so every collective happens in the same order on
+every rank), reports ready, then executes each step it reads from the step channel (a per-step
+difference in shared memory, step_channel.py) until rank 0 says stop. Started as `python -m
+fluxlab.engine.distributed.worker` (process.py says why not multiprocessing spawn).
 """
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import sys
 import traceback
@@ -22,9 +22,6 @@ from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
 from fluxlab.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("fluxlab.engine")
-
-SHUTDOWN = None  # the step message that stops a worker
-
 
 def rank_device(device: str, rank: int) -> str:
     """One device per rank: cuda:{base + rank} (base = the index in engine.device, else 0)."""
@@ -44,16 +41,14 @@ def init_distributed(cfg, rank: int, port: int):
     dist.init_process_group(par.distributed_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=par.tp_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    set_parallel_dims(ParallelDims(rank, par.tp_size, par.ep_size))
+    set_parallel_dims(ParallelDims(rank, par.tp_size, par.ep_size, dp_attention=bool(par.enable_dp_attention)))
     return control
 
 
-class RankEngine(LLMEngine):
-    """LLMEngine of one TP rank: the KV page count is the minimum over the ranks' profiles."""
+class MinPagesOverRanks:
+    """Every rank profiles its own memory; the KV page count is the minimum over the ranks."""
 
-    def __init__(self, cfg, control):
-        self._control = control
-        super().__init__(cfg)
+    _control = None  # the gloo control group
 
     def _profile_num_pages(self, free_at_start: int) -> int:
         pages = torch.tensor([super()._profile_num_pages(free_at_start)], dtype=torch.long)
@@ -61,40 +56,102 @@ class RankEngine(LLMEngine):
         return int(pages.item())
 
 
-def worker_main(cfg_container: dict, rank: int, port: int, messages, steps) -> None:
+class RankEngine(MinPagesOverRanks, LLMEngine):
+    """Rank 0: the whole LLMEngine (tokenizer, scheduler, decoder) on its shard."""
+
+    def __init__(self, cfg, control):
+        self._control = control
+        super().__init__(cfg)
+
+
+class _ModelOnly:
+    """The part of LLMEngine a worker runs: page count and profile (the same forwards in the same
+    order as rank 0's, so every collective matches), borrowed rather than rewritten."""
+
+    _num_kv_pages = LLMEngine._num_kv_pages
+    _page_bytes = LLMEngine._page_bytes
+    _profile_num_pages = LLMEngine._profile_num_pages
+    _probe_levenshtein_step = LLMEngine._probe_levenshtein_step
+
+
+class WorkerEngine(MinPagesOverRanks, _ModelOnly):
+    """A TP/EP worker: its model shard, KV pages and runner, and no scheduler or tokenizer. Rank 0
+    computed the special ids (`special`) before starting it."""
+
+    def __init__(self, cfg, control, special):
+        from fluxlab.engine.llm_engine import DTYPES, graph_segment_sizes, load_engine_model, resolve_model_dir
+        from fluxlab.engine.model_runner import ModelRunner
+
+        self.cfg, self._control, self.special = cfg, control, special
+        self.mask_id = special.mask_id
+        self.device = torch.device(cfg.engine.device)
+        self.dtype = DTYPES[cfg.engine.dtype]
+        torch.manual_seed(cfg.engine.seed)
+        free_at_start = 0
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            free_at_start, _ = torch.cuda.mem_get_info(self.device)
+        self.model, self.model_config = load_engine_model(cfg, self.device, self.dtype, resolve_model_dir(cfg.model))
+        self.block_length = cfg.decoding.block_length
+        self.max_model_len = cfg.model.max_model_len
+        pages_per_seq = self.max_model_len // self.block_length
+        num_pages = self._num_kv_pages(free_at_start)
+        if cfg.engine.kv_cache_layout == "dense":  # whole slots, as the block manager keeps them
+            num_pages -= num_pages % pages_per_seq
+        self.runner = ModelRunner(self.model, num_pages, self.block_length, self.device, self.dtype,
+                                  cfg.attention.backend, pages_per_seq, cfg.scheduler.max_num_seqs, self.mask_id)
+        segment_sizes = graph_segment_sizes(cfg)
+        if segment_sizes:
+            self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
+
+
+def worker_main(payload: dict, messages, steps, shared_fd: int) -> None:
     """Process body: build, report ("ready" | "error", rank, traceback) on `messages` (a
-    Connection), serve steps."""
+    Connection), serve steps from the step channel until rank 0 says stop."""
     from omegaconf import OmegaConf
 
+    from fluxlab.engine.distributed.dp_attention import run_rank_part
+    from fluxlab.engine.distributed.step_channel import StepReader
+    from fluxlab.engine.loader import SpecialIds
+
+    rank = payload["rank"]
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; rank 0 alone decides when the workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if os.environ.get("FLUXLAB_FAIL_RANK") == str(rank):  # fault injection for tests/test_parallel.py
             raise RuntimeError(f"injected startup failure on rank {rank}")
-        cfg = OmegaConf.create(cfg_container)
+        cfg = OmegaConf.create(payload["cfg"])
         cfg.engine.device = rank_device(cfg.engine.device, rank)
         if cfg.engine.device == "cpu":
             # Ranks share the host's cores; one thread each avoids oversubscription.
             torch.set_num_threads(int(os.environ.get("FLUXLAB_WORKER_THREADS", "1")))
-        control = init_distributed(cfg, rank, port)
-        engine = RankEngine(cfg, control)
+        channel = StepReader(shared_fd, steps, **payload["channel"])
+        control = init_distributed(cfg, rank, payload["port"])
+        engine = WorkerEngine(cfg, control, SpecialIds(**payload["special"]))
+        dp_attention = bool(cfg.parallel.enable_dp_attention)
+        if dp_attention:  # rank 0 numbers every rank's pages in one range; this rank's come at rank * N
+            channel.page_offset = rank * engine.runner.scratch_page
         messages.send(("ready", rank, None))
     except BaseException:  # noqa: BLE001 - report to rank 0, whatever it is
         messages.send(("error", rank, traceback.format_exc()))
         sys.exit(1)
     try:
         while True:
-            inputs = pickle.loads(steps.recv_bytes())  # EOFError when rank 0 is gone
-            if inputs is SHUTDOWN:
+            step = channel.receive()  # EOFError when rank 0 is gone
+            if step is None:
                 break
-            engine.runner.execute(inputs)
+            if dp_attention:
+                run_rank_part(engine.runner, step[0], step[1], cfg.parallel.tp_size)
+            else:
+                engine.runner.execute(step[0])
     except BaseException:  # noqa: BLE001
         messages.send(("error", rank, traceback.format_exc()))
         sys.exit(1)
     # No process-group teardown: rank 0 aborts its side, and a graceful NCCL destroy here can wait
     # forever on the peer. Exiting frees this rank's communicators and memory.
     engine.runner.release_graphs()
+    channel.close()
     logging.shutdown()
     os._exit(0)
 
@@ -102,5 +159,4 @@ def worker_main(cfg_container: dict, rank: int, port: int, messages, steps) -> N
 if __name__ == "__main__":
     from fluxlab.engine.distributed.process import read_payload
 
-    _payload, _messages, _steps = read_payload()
-    worker_main(_payload["cfg"], _payload["rank"], _payload["port"], _messages, _steps)
+    worker_main(*read_payload())

@@ -18,13 +18,21 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ParallelDims:
-    tp_rank: int = 0
+    tp_rank: int = 0  # the rank in the group (under data-parallel attention: in the expert group)
     tp_size: int = 1
     ep_size: int = 1  # 1 (experts split on their width) or tp_size (experts split across ranks)
+    # parallel.enable_dp_attention: each rank runs attention, dense layers, embedding and head whole on
+    # its own requests; only the routed experts are split (over all tp_size ranks).
+    dp_attention: bool = False
 
     @property
     def ep_rank(self) -> int:
         return self.tp_rank if self.ep_size > 1 else 0
+
+    @property
+    def dense(self) -> "ParallelDims":
+        """The layout of everything but the routed experts: whole on each rank under DP attention."""
+        return ParallelDims() if self.dp_attention else self
 
 
 _DIMS = ParallelDims()

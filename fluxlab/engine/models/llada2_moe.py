@@ -18,6 +18,7 @@ from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, Pa
                                           RowParallelLinear, VocabParallelEmbedding, all_reduce,
                                           get_parallel_dims)
 from fluxlab.engine.layers.moe import MoEGate, StackedExperts
+from fluxlab.engine.layers.moe_dispatch import DispatchSizes, combine_tokens, dispatch_tokens
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm, use_fused
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
 
@@ -154,10 +155,13 @@ class LLaDA2MoeMLP(nn.Module):
 
 
 class LLaDA2MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig, dtype=None, device=None, dims: ParallelDims = ParallelDims()):
+    def __init__(self, config: LLaDA2MoeConfig, dtype=None, device=None, dims: ParallelDims = ParallelDims(),
+                 dispatch: DispatchSizes | None = None):
         super().__init__()
         c = config
-        self.tp_size = dims.tp_size
+        self.dispatch = dispatch if dims.dp_attention else None  # the forward's tokens per rank
+        dense = dims.dense
+        self.tp_size = dense.tp_size
         self.gate = MoEGate(c.hidden_size, c.num_experts, top_k=c.num_experts_per_tok, n_group=c.n_group,
                             topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
                             expert_capacity=c.expert_capacity, routing_block_size=c.routing_block_size,
@@ -166,11 +170,15 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
                                       tp_size=dims.tp_size, ep_size=dims.ep_size, ep_rank=dims.ep_rank)
         # Under TP the shared expert's partial output joins the routed partial in one fp32 all-reduce.
         self.shared_experts = (LLaDA2MoeMLP(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts,
-                                            dtype, device, dims, reduce=dims.tp_size == 1)
+                                            dtype, device, dense, reduce=dense.tp_size == 1)
                                if c.num_shared_experts else None)
 
     def forward(self, x):
         topk_idx, topk_weight = self.gate(x)  # the full router on every rank: all ranks agree on the choice
+        if self.dispatch is not None:  # DP attention: every rank's tokens visit the experts of every rank
+            x_all, idx_all, weight_all = dispatch_tokens(x, topk_idx, topk_weight, self.dispatch)
+            y = combine_tokens(self.experts(x_all, idx_all, weight_all), x.shape[0], self.dispatch).to(x.dtype)
+            return y + self.shared_experts(x) if self.shared_experts is not None else y
         y = self.experts(x, topk_idx, topk_weight)
         if self.tp_size == 1:
             if self.shared_experts is not None:
@@ -225,14 +233,14 @@ class LLaDA2MoeAttention(nn.Module):
 
 class LLaDA2MoeDecoderLayer(nn.Module):
     def __init__(self, config: LLaDA2MoeConfig, layer_idx: int, dtype=None, device=None,
-                 dims: ParallelDims = ParallelDims()):
+                 dims: ParallelDims = ParallelDims(), dispatch: DispatchSizes | None = None):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.attention = LLaDA2MoeAttention(c, layer_idx, dtype, device, dims)
+        self.attention = LLaDA2MoeAttention(c, layer_idx, dtype, device, dims.dense)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = (LLaDA2MoeSparseMoeBlock(c, dtype, device, dims) if c.is_moe_layer(layer_idx)
-                    else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device, dims))
+        self.mlp = (LLaDA2MoeSparseMoeBlock(c, dtype, device, dims, dispatch) if c.is_moe_layer(layer_idx)
+                    else LLaDA2MoeMLP(c.hidden_size, c.intermediate_size, dtype, device, dims.dense))
 
     def forward(self, x, cos_sin, attn):
         h = self.attention(self.input_layernorm(x), cos_sin, attn)
@@ -251,15 +259,18 @@ class LLaDA2MoeModel(nn.Module):
         super().__init__()
         c = self.config = config
         dims = self.dims = dims or get_parallel_dims()
-        check_parallel(c, dims.tp_size, dims.ep_size)
+        dense = dims.dense
+        check_parallel(c, dense.tp_size, dims.ep_size)
         self.dtype = dtype
-        self.word_embeddings = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dims.tp_size, dims.tp_rank,
+        # DP attention: the runner writes each forward's tokens per rank here before it runs.
+        self.dispatch = DispatchSizes(dims.tp_rank, dims.tp_size) if dims.dp_attention else None
+        self.word_embeddings = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dense.tp_size, dense.tp_rank,
                                                       dtype=dtype, device=device)
         self.rotary_emb = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, c.max_position_embeddings).to(device)
-        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, dtype, device, dims)
+        self.layers = nn.ModuleList(LLaDA2MoeDecoderLayer(c, i, dtype, device, dims, self.dispatch)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dims.tp_size, dims.tp_rank, dtype=dtype,
+        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dense.tp_size, dense.tp_rank, dtype=dtype,
                                       device=device)
         attention = self.layers[0].attention
         self.num_local_heads, self.num_local_kv_heads = attention.num_heads, attention.num_kv_heads
