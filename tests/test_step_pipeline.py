@@ -3,6 +3,7 @@ is the one writer of request state, a failing row fails alone, logits are comput
 decoder may write, and the graph planner covers every batch shape."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,7 +106,7 @@ def test_logits_only_at_positions_a_decoder_may_write(llm, monkeypatch, decoder)
                 if DECODERS[request.params.decoder].edits:
                     expected += int(editable.sum())
                 else:
-                    expected += int(((torch.from_numpy(block) == engine.mask_id) & editable).sum())
+                    expected += int(((torch.from_numpy(block.copy()) == engine.mask_id) & editable).sum())
             seen.append((inputs.logit_index.shape[0], expected))
         return inputs, decode_inputs
 
@@ -162,10 +163,34 @@ def test_postprocess_is_the_only_writer_of_request_progress(llm, monkeypatch):
         finally:
             inside["postprocess"] = False
 
+    # While seated, a request's progress lives in its seat's arrays (seats.py), written by numpy
+    # calls, not attributes: the step's forward and decode (runner.run) must leave them untouched.
+    from fluxlab.engine.seats import PROGRESS, UNFOLDED
+
+    seats = engine.scheduler.seats
+    names = ("tokens", "decoding", "state", "columns", "log_len", *PROGRESS, *UNFOLDED)
+    original_run = engine.runner.run
+
+    def checked_run(batch):
+        before = {name: getattr(seats, name).copy() for name in names}
+        out = original_run(batch)
+        for name in names:
+            if not np.array_equal(before[name], getattr(seats, name)):
+                violations.append((name, f"runner.run changed seats.{name}"))
+        return out
+
     monkeypatch.setattr(sequence.Request, "__setattr__", guarded)
     monkeypatch.setattr(engine.scheduler, "postprocess", wrapped)
+    monkeypatch.setattr(engine.runner, "run", checked_run)
     check_parity(llm, prompts(llm, [9, 30], seed=8), [SamplingParams(max_new_tokens=40)] * 2)
     assert not violations, violations[0][1]
+
+
+def test_prefill_chunks_without_a_decoding_row_match_the_reference():
+    """A prompt longer than the token budget runs forwards that decode nothing (the runner returns
+    no step output); postprocess still caches their blocks."""
+    budget_llm = engine_llm("scheduler.max_scheduled_tokens=32")
+    check_parity(budget_llm, prompts(budget_llm, [3 * BL + 5, 9], seed=4), [SamplingParams(max_new_tokens=24)] * 2)
 
 
 @pytest.mark.parametrize("rows,mode,want", [

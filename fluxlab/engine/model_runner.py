@@ -40,6 +40,7 @@ class StepInputs:
     rows: list[tuple[int, int, bool, list[int]]]
     logit_index: np.ndarray
     num_greedy: int = 0
+    pages: Optional[np.ndarray] = None  # [num_segments] the page of each query block (None: from rows)
 
     @property
     def num_segments(self) -> int:
@@ -90,6 +91,7 @@ class ModelRunner:
         # the host time a step costs the GPU is (launch - step start) + (step end - results).
         self.launched_at = self.results_at = 0.0
         self._staging = torch.empty(0, dtype=torch.long)
+        self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
@@ -121,50 +123,50 @@ class ModelRunner:
 
     # --- host side ---
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
-        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes."""
+        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
+        index is computed with numpy over the batch's seats (seats.py), no loop over rows."""
         bl = self.block_length
-        spans, rows, block_starts, decoding = [], [], [], []
-        offset = 0
-        for row in batch.rows:
-            request = row.request
-            start = row.first_block * bl
-            length = row.num_blocks * bl
-            spans.append((request.tokens[start:start + length], start, length))
-            rows.append((row.first_block, row.num_blocks, row.decodes, request.page_table))
-            if row.decodes:
-                block_starts.append(offset + length - bl)
-                decoding.append(request)
-            offset += length
-        token_ids = np.concatenate([tokens for tokens, _, _ in spans])
-        positions = np.concatenate([np.arange(start, start + length) for _, start, length in spans])
+        seats = batch.seats
+        slots, first, num = batch.slots, batch.first_block, batch.num_blocks
+        block_ends = np.cumsum(num)  # flat index of the query block after each row's last
+        num_query_blocks = int(block_ends[-1])
+        # Per query block: its row's seat and its block in that row's canvas (np.repeat over rows).
+        block_seat = np.repeat(slots, num)
+        query_block = np.repeat(first - block_ends + num, num) + np.arange(num_query_blocks)
+        pages = seats.pages[block_seat, query_block]
+        positions = (query_block[:, None] * bl + self._block_offsets).ravel()
+        token_ids = seats.tokens[np.repeat(block_seat, bl), positions]
+        row_starts = (block_ends - num) * bl
+        rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(), [r.page_table for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
-            lengths = np.array([length for _, _, length in spans])
-            check_routing_blocks(positions, self.routing_block_size, row_starts=np.cumsum(lengths) - lengths)
-        if not decoding:
-            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64)), None
-        num = len(decoding)
-        block_index = (np.asarray(block_starts)[:, None] + np.arange(bl)).ravel()
-        blocks = token_ids[block_index].reshape(num, bl)
-        prompt = np.array([r.prompt_positions_in_active_block() for r in decoding])
-        decoders = [DECODERS[r.params.decoder] for r in decoding]
-        edits = np.array([d.edits for d in decoders])
+            check_routing_blocks(positions, self.routing_block_size, row_starts=row_starts)
+        decoding_rows = np.flatnonzero(batch.decodes)
+        if not decoding_rows.shape[0]:
+            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages), None
+        num_rows = decoding_rows.shape[0]
+        seat = slots[decoding_rows]
+        block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
+        blocks = token_ids[block_index].reshape(num_rows, bl)
+        prompt = np.clip(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0, bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
         # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
-        full = np.array([r.params.temperature > 0 or d.needs_logits for r, d in zip(decoding, decoders)])
-        editable = np.arange(bl)[None, :] >= prompt[:, None]
+        full = seats.full_logits[seat]
+        editable = self._block_offsets >= prompt[:, None]
         # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
         # editing decoder.
-        need = editable & (edits[:, None] | (blocks == self.mask_id)) & ~full[:, None]
+        need = editable & (seats.edits[seat][:, None] | (blocks == self.mask_id)) & ~full[:, None]
         greedy_target = np.flatnonzero(need)
         full_rows = np.flatnonzero(full)
-        logit_index = np.concatenate([block_index[greedy_target]]
-                                     + [block_index[r * bl:(r + 1) * bl] for r in full_rows])
-        log_len = np.array([len(r.decoder_log) for r in decoding], dtype=np.int64)
-        decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
-                                     full_rows, log_len, sorted({r.params.decoder for r in decoding}))
-        return StepInputs(token_ids, positions, rows, logit_index, len(greedy_target)), decode_inputs
+        logit_index = block_index[greedy_target]
+        if full_rows.shape[0]:
+            logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
+        decoders = [seats.decoder_names[i] for i in np.unique(seats.decoder_id[seat]).tolist()]
+        decode_inputs = DecodeInputs([batch.requests[i] for i in decoding_rows.tolist()], seat, block_index,
+                                     greedy_target, full_rows, seats.log_len[seat], sorted(decoders))
+        return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages),
+                decode_inputs)
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""
@@ -205,7 +207,9 @@ class ModelRunner:
         uploaded)."""
         bl = self.block_length
         rows = [(first, n, table) for first, n, _, table in inputs.rows]
-        pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
+        pages = inputs.pages
+        if pages is None:
+            pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
         slots = (pages[:, None] * bl + np.arange(bl)).ravel()
         ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
             [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
