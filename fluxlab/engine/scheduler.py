@@ -37,6 +37,7 @@ class StepOutput:
     edited: np.ndarray  # [R] token -> token edits
     final: np.ndarray  # [R] bool: the block is final
     state: dict[str, np.ndarray]  # decoder state after the step, [R] each
+    state_matrix: Optional[np.ndarray] = None  # [R, names] the same, every registered name in sorted order
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # [R, bl] each (decoders present only)
     log: Optional[np.ndarray] = None  # [R, bl] rows appended to each row's decoder log where `logged`
     logged: Optional[np.ndarray] = None  # [R] bool
@@ -120,6 +121,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, in arrival order
         self._running_slots: list[int] = []  # their seats, same order
+        self._slots_array: Optional[np.ndarray] = None  # _running_slots as an array, until running changes
         self.num_steps = 0
 
     def add(self, request: Request) -> None:
@@ -132,6 +134,7 @@ class Scheduler:
         if request in self.running:
             index = self.running.index(request)
             del self.running[index], self._running_slots[index]
+            self._slots_array = None
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
@@ -181,7 +184,9 @@ class Scheduler:
         seats.tokens_accepted[seat] += out.filled
         seats.tokens_edited[seat] += out.edited
         seats.forwards_in_block[seat] += 1
-        if seats.state_names:
+        if out.state_matrix is not None:
+            seats.state[seat] = out.state_matrix
+        elif seats.state_names:
             seats.state[seat] = np.stack([out.state[n] for n in seats.state_names], axis=1)
         for name, values in out.columns.items():
             seats.columns[seat, seats.column_names.index(name)] = values
@@ -262,6 +267,7 @@ class Scheduler:
             request.state = RequestState.PREFILLING
             self.running.append(request)
             self._running_slots.append(request.slot)
+            self._slots_array = None
             admitted.append(row)
             budget_blocks -= row.num_blocks
         if admitted:
@@ -272,20 +278,24 @@ class Scheduler:
         self.seats.last_scheduled_step[slots] = self.num_steps
         return ScheduledBatch(requests, slots, first, num, decodes, self.block_length, self.seats)
 
+    def _running_slot_array(self) -> np.ndarray:
+        if self._slots_array is None:
+            self._slots_array = np.array(self._running_slots, dtype=np.int64)
+        return self._slots_array
+
     def _candidates(self) -> tuple[np.ndarray, bool]:
         """Indices into `running` of the rows that may run, oldest-scheduled first (arrival order
         among equals), and whether the batch is at a barrier (new requests may join)."""
         seats = self.seats
-        slots = np.array(self._running_slots, dtype=np.int64)
-        candidates = np.arange(slots.shape[0])
-        barrier = True
+        slots = self._running_slot_array()
+        last = seats.last_scheduled_step[slots]
         if self.policy in ("paged", "static"):
             inside = ((seats.num_cached_blocks[slots] == seats.active_block[slots])
                       & (seats.forwards_in_block[slots] > 0))
             if inside.any():
-                candidates, barrier = np.flatnonzero(inside), False
-        order = np.argsort(seats.last_scheduled_step[slots[candidates]], kind="stable")
-        return candidates[order], barrier
+                candidates = np.flatnonzero(inside)
+                return candidates[np.argsort(last[candidates], kind="stable")], False
+        return np.argsort(last, kind="stable"), True
 
     def _place_running(self, total_blocks: int):
         """Rows for the running requests, vectorised: each takes its uncached blocks plus the active
@@ -293,7 +303,7 @@ class Scheduler:
         None when their new pages do not fit: then `_place_running_one_by_one` preempts."""
         seats = self.seats
         candidates, barrier = self._candidates()
-        slots = np.array(self._running_slots, dtype=np.int64)[candidates]
+        slots = self._running_slot_array()[candidates]
         first = seats.num_cached_blocks[slots]
         uncached = seats.active_block[slots] - first
         need = uncached + 1
@@ -301,15 +311,16 @@ class Scheduler:
         fit = int(np.searchsorted(taken, total_blocks, side="right"))  # rows whose whole need fits
         left = total_blocks - (int(taken[fit - 1]) if fit else 0)
         num, decodes = need[:fit], np.ones(fit, dtype=bool)
-        if fit < slots.shape[0] and left > 0:  # a chunk of its uncached blocks (uncached >= left here)
-            fit += 1
-            num, decodes = np.append(num, min(int(uncached[fit - 1]), left)), np.append(decodes, False)
-        slots, first, candidates = slots[:fit], first[:fit], candidates[:fit]
+        if fit < slots.shape[0]:
+            if left > 0:  # a chunk of its uncached blocks (uncached >= left here)
+                fit += 1
+                num, decodes = np.append(num, min(int(uncached[fit - 1]), left)), np.append(decodes, False)
+            slots, first, candidates = slots[:fit], first[:fit], candidates[:fit]
         manager = self.block_manager
-        missing = np.zeros(fit, dtype=np.int64)
+        total_missing = 0  # a dense seat holds its whole slot from admission on
         if manager.layout != "dense":
             missing = np.maximum(first + num - manager.seat_num_pages[slots], 0)
-        total_missing = int(missing.sum())
+            total_missing = int(missing.sum())
         if total_missing > manager.num_free_pages:
             return None
         requests = [self.running[i] for i in candidates.tolist()]
