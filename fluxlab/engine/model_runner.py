@@ -128,7 +128,7 @@ class ModelRunner:
         bl = self.block_length
         seats = batch.seats
         slots, first, num = batch.slots, batch.first_block, batch.num_blocks
-        block_ends = np.cumsum(num)  # flat index of the query block after each row's last
+        block_ends = num.cumsum()  # flat index of the query block after each row's last
         num_query_blocks = int(block_ends[-1])
         # Per query block: its row's seat and its block in that row's canvas (np.repeat over rows).
         block_seat = np.repeat(slots, num)
@@ -142,14 +142,14 @@ class ModelRunner:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
             check_routing_blocks(positions, self.routing_block_size, row_starts=row_starts)
-        decoding_rows = np.flatnonzero(batch.decodes)
+        decoding_rows = batch.decodes.nonzero()[0]
         if not decoding_rows.shape[0]:
             return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages), None
         num_rows = decoding_rows.shape[0]
         seat = slots[decoding_rows]
         block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
         blocks = token_ids[block_index].reshape(num_rows, bl)
-        prompt = np.clip(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0, bl)
+        prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
         # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
         full = seats.full_logits[seat]
@@ -157,12 +157,12 @@ class ModelRunner:
         # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
         # editing decoder.
         need = editable & (seats.edits[seat][:, None] | (blocks == self.mask_id)) & ~full[:, None]
-        greedy_target = np.flatnonzero(need)
-        full_rows = np.flatnonzero(full)
+        greedy_target = need.ravel().nonzero()[0]
+        full_rows = full.nonzero()[0]
         logit_index = block_index[greedy_target]
         if full_rows.shape[0]:
             logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
-        decoders = [seats.decoder_names[i] for i in np.unique(seats.decoder_id[seat]).tolist()]
+        decoders = [seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist())]
         decode_inputs = DecodeInputs([batch.requests[i] for i in decoding_rows.tolist()], seat, block_index,
                                      greedy_target, full_rows, seats.log_len[seat], sorted(decoders))
         return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages),

@@ -167,19 +167,19 @@ class Scheduler:
         slots, first, decodes = batch.slots, batch.first_block, batch.decodes
         commits = batch.num_blocks - decodes
         seats.num_cached_blocks[slots] = first + commits
-        for i in np.flatnonzero(seats.decoding[slots] != decodes).tolist():
+        for i in (seats.decoding[slots] != decodes).nonzero()[0].tolist():
             batch.requests[i].state = RequestState.DECODING if decodes[i] else RequestState.PREFILLING
         seats.decoding[slots] = decodes
         if self.block_manager.enable_prefix_cache:
             # Their K/V is written now, from their final tokens: other requests may share it.
-            for i in np.flatnonzero(commits).tolist():
+            for i in commits.nonzero()[0].tolist():
                 self.block_manager.cache_blocks(batch.requests[i], int(first[i]), int(first[i] + commits[i]))
         if out is None:
             return []
-        rows = np.flatnonzero(decodes)
-        seat = slots[rows]
+        rows = decodes.nonzero()[0]
+        seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
         starts = seats.active_block[seat] * bl
-        seats.tokens[seat[:, None], starts[:, None] + np.arange(bl)] = out.blocks
+        seats.tokens[seat[:, None], starts[:, None] + seats.block_offsets] = out.blocks
         seats.forwards[seat] += 1
         seats.tokens_accepted[seat] += out.filled
         seats.tokens_edited[seat] += out.edited
@@ -192,11 +192,11 @@ class Scheduler:
             seats.columns[seat, seats.column_names.index(name)] = values
         requests = batch.requests
         if out.logged is not None:
-            for i in np.flatnonzero(out.logged).tolist():
+            for i in out.logged.nonzero()[0].tolist():
                 requests[rows[i]].decoder_log.append(out.log[i].copy())
                 seats.log_len[seat[i]] += 1
         outputs = []
-        final = np.flatnonzero(out.final)
+        final = out.final.nonzero()[0]
         if not final.shape[0]:
             return outputs
         # The seats move on to their next block (counters, decoder state zero at block entry) ...
@@ -293,7 +293,7 @@ class Scheduler:
             inside = ((seats.num_cached_blocks[slots] == seats.active_block[slots])
                       & (seats.forwards_in_block[slots] > 0))
             if inside.any():
-                candidates = np.flatnonzero(inside)
+                candidates = inside.nonzero()[0]
                 return candidates[np.argsort(last[candidates], kind="stable")], False
         return np.argsort(last, kind="stable"), True
 
@@ -307,8 +307,8 @@ class Scheduler:
         first = seats.num_cached_blocks[slots]
         uncached = seats.active_block[slots] - first
         need = uncached + 1
-        taken = np.cumsum(need)
-        fit = int(np.searchsorted(taken, total_blocks, side="right"))  # rows whose whole need fits
+        taken = need.cumsum()
+        fit = int(taken.searchsorted(total_blocks, side="right"))  # rows whose whole need fits
         left = total_blocks - (int(taken[fit - 1]) if fit else 0)
         num, decodes = need[:fit], np.ones(fit, dtype=bool)
         if fit < slots.shape[0]:
@@ -325,7 +325,7 @@ class Scheduler:
             return None
         requests = [self.running[i] for i in candidates.tolist()]
         if total_missing:
-            for i in np.flatnonzero(missing).tolist():  # in row order: the pages the sequential rule gives
+            for i in missing.nonzero()[0].tolist():  # in row order: the pages the sequential rule gives
                 manager.allocate(requests[i], int(first[i] + num[i]))
         return requests, slots, first, num, decodes, barrier
 

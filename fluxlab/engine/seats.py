@@ -31,6 +31,7 @@ UNFOLDED = ("forwards", "tokens_accepted", "tokens_edited")
 class Seats:
     def __init__(self, num_seats: int, max_blocks: int, block_length: int, pages: np.ndarray):
         self.block_length = block_length
+        self.block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         self.max_blocks = max_blocks
         self.state_names = sorted({s for d in DECODERS.values() for s in d.state})
         self.column_names = sorted({c for d in DECODERS.values() for c in d.columns})
