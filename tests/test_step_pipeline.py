@@ -289,3 +289,35 @@ def test_misaligned_rows_never_reach_a_block_routed_moe(llm):
 
     with pytest.raises(ValueError, match="routing block"):
         check_routing_blocks(list(range(16)) + list(range(16)), 32)  # two 16-token rows fill one block of 32
+
+
+@pytest.mark.parametrize("policy", ["paged", "dynamic"])
+def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkeypatch):
+    """After a step where no row finished its block, schedule reuses the last batch's rows; the
+    full placement must give the same rows in every step, and the same tokens."""
+    from fluxlab.engine.scheduler import Scheduler
+
+    def run(memo: bool):
+        llm = engine_llm(f"scheduler={policy}", "scheduler.enable_prefix_cache=false")  # both runs start cold
+        scheduler = llm.engine.scheduler
+        batches, seen, reused = [], {}, []
+        original = scheduler.schedule
+
+        def recording_schedule():
+            reused.append(scheduler._repeat is not None)
+            batch = original()
+            order = [seen.setdefault(r.serial, len(seen)) for r in batch.requests]  # requests by arrival
+            batches.append((order, batch.first_block.tolist(), batch.num_blocks.tolist(), batch.decodes.tolist()))
+            return batch
+
+        with monkeypatch.context() as m:
+            m.setattr(scheduler, "schedule", recording_schedule)
+            if not memo:
+                m.setattr(Scheduler, "_repeat", property(lambda self: None, lambda self, value: None), raising=False)
+            results = llm.generate(prompts(llm, [5, 18, 33, 9], seed=21), [SamplingParams(max_new_tokens=40)] * 4)
+        return [r.token_ids for r in results], batches, sum(reused)
+
+    with_memo, without_memo = run(True), run(False)
+    assert with_memo[2] > 0 and without_memo[2] == 0  # the memo was used, and only in the first run
+    assert with_memo[0] == without_memo[0]
+    assert with_memo[1] == without_memo[1]

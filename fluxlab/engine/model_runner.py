@@ -128,26 +128,32 @@ class ModelRunner:
         bl = self.block_length
         seats = batch.seats
         slots, first, num = batch.slots, batch.first_block, batch.num_blocks
-        block_ends = num.cumsum()  # flat index of the query block after each row's last
-        num_query_blocks = int(block_ends[-1])
-        # Per query block: its row's seat and its block in that row's canvas (np.repeat over rows).
-        block_seat = np.repeat(slots, num)
-        query_block = np.repeat(first - block_ends + num, num) + np.arange(num_query_blocks)
+        if batch.single_blocks:  # one query block per row, its active block (most decode steps)
+            block_ends = np.arange(1, slots.shape[0] + 1)
+            block_seat, query_block = slots, first
+        else:
+            block_ends = num.cumsum()  # flat index of the query block after each row's last
+            # Per query block: its row's seat and its block in that row's canvas.
+            block_seat = np.repeat(slots, num)
+            query_block = np.repeat(first - block_ends + num, num) + np.arange(int(block_ends[-1]))
         pages = seats.pages[block_seat, query_block]
-        positions = (query_block[:, None] * bl + self._block_offsets).ravel()
-        token_ids = seats.tokens[np.repeat(block_seat, bl), positions]
-        row_starts = (block_ends - num) * bl
+        positions = query_block[:, None] * bl + self._block_offsets
+        token_ids = seats.tokens[block_seat[:, None], positions].ravel()
+        positions = positions.ravel()
         rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(), [r.page_table for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
-            check_routing_blocks(positions, self.routing_block_size, row_starts=row_starts)
+            check_routing_blocks(positions, self.routing_block_size, row_starts=(block_ends - num) * bl)
         decoding_rows = batch.decodes.nonzero()[0]
         if not decoding_rows.shape[0]:
             return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages), None
         num_rows = decoding_rows.shape[0]
-        seat = slots[decoding_rows]
-        block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
+        if batch.single_blocks:
+            seat, block_index = slots, np.arange(num_rows * bl)
+        else:
+            seat = slots[decoding_rows]
+            block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
         blocks = token_ids[block_index].reshape(num_rows, bl)
         prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
@@ -163,7 +169,8 @@ class ModelRunner:
         if full_rows.shape[0]:
             logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
         decoders = [seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist())]
-        decode_inputs = DecodeInputs([batch.requests[i] for i in decoding_rows.tolist()], seat, block_index,
+        requests = batch.requests if batch.single_blocks else [batch.requests[i] for i in decoding_rows.tolist()]
+        decode_inputs = DecodeInputs(requests, seat, block_index,
                                      greedy_target, full_rows, seats.log_len[seat], sorted(decoders))
         return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages),
                 decode_inputs)

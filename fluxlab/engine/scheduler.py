@@ -76,6 +76,7 @@ class ScheduledBatch:
     decodes: np.ndarray  # [N] bool: the last query block is the active block
     block_length: int
     seats: Optional[Seats] = None
+    single_blocks: bool = False  # every row decodes its active block alone (no commit or prefill blocks)
 
     @classmethod
     def of_rows(cls, rows: list[ScheduledRow], block_length: int, seats: Optional[Seats] = None) -> "ScheduledBatch":
@@ -87,7 +88,8 @@ class ScheduledBatch:
     def select(self, index: list[int]) -> "ScheduledBatch":
         """The batch of only these rows (a failed step retries each row alone)."""
         return ScheduledBatch([self.requests[i] for i in index], self.slots[index], self.first_block[index],
-                              self.num_blocks[index], self.decodes[index], self.block_length, self.seats)
+                              self.num_blocks[index], self.decodes[index], self.block_length, self.seats,
+                              self.single_blocks)
 
     @property
     def rows(self) -> list[ScheduledRow]:
@@ -122,6 +124,8 @@ class Scheduler:
         self.running: list[Request] = []  # admitted, in arrival order
         self._running_slots: list[int] = []  # their seats, same order
         self._slots_array: Optional[np.ndarray] = None  # _running_slots as an array, until running changes
+        # The last batch, when the next schedule would give the same rows (see postprocess).
+        self._repeat: Optional[ScheduledBatch] = None
         self.num_steps = 0
 
     def add(self, request: Request) -> None:
@@ -131,6 +135,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _release(self, request: Request) -> None:
+        self._repeat = None
         if request in self.running:
             index = self.running.index(request)
             del self.running[index], self._running_slots[index]
@@ -163,17 +168,20 @@ class Scheduler:
         """Apply one forward to its requests: cached blocks, each decoding row's block, counters,
         block commits, EOS / length / stop-string finishes. Returns the outputs to report."""
         now = time.perf_counter()
+        self._repeat = None
         seats, bl = self.seats, self.block_length
         slots, first, decodes = batch.slots, batch.first_block, batch.decodes
-        commits = batch.num_blocks - decodes
-        seats.num_cached_blocks[slots] = first + commits
-        for i in (seats.decoding[slots] != decodes).nonzero()[0].tolist():
+        if not batch.single_blocks:  # rows with final blocks whose K/V this forward wrote
+            commits = batch.num_blocks - decodes
+            seats.num_cached_blocks[slots] = first + commits
+            if self.block_manager.enable_prefix_cache:
+                # Their K/V is written now, from their final tokens: other requests may share it.
+                for i in commits.nonzero()[0].tolist():
+                    self.block_manager.cache_blocks(batch.requests[i], int(first[i]), int(first[i] + commits[i]))
+        changed = (seats.decoding[slots] != decodes).nonzero()[0].tolist()
+        for i in changed:
             batch.requests[i].state = RequestState.DECODING if decodes[i] else RequestState.PREFILLING
         seats.decoding[slots] = decodes
-        if self.block_manager.enable_prefix_cache:
-            # Their K/V is written now, from their final tokens: other requests may share it.
-            for i in commits.nonzero()[0].tolist():
-                self.block_manager.cache_blocks(batch.requests[i], int(first[i]), int(first[i] + commits[i]))
         if out is None:
             return []
         rows = decodes.nonzero()[0]
@@ -198,6 +206,11 @@ class Scheduler:
         outputs = []
         final = out.final.nonzero()[0]
         if not final.shape[0]:
+            # Nothing finished a block, so every row is still inside its block: the next schedule
+            # gives the same rows in the same order (every running request, oldest first), and
+            # no row needs a new page or lets a waiting request in (paged: not at a barrier).
+            if batch.single_blocks and not changed and batch.requests == self.running:
+                self._repeat = batch
             return outputs
         # The seats move on to their next block (counters, decoder state zero at block entry) ...
         seat = seat[final]
@@ -244,11 +257,17 @@ class Scheduler:
     # --- scheduling ---
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
+        repeat = self._repeat
+        if repeat is not None and (self.policy != "dynamic" or not self.waiting
+                                   or len(self.running) >= self.max_num_seqs):
+            self.seats.last_scheduled_step[repeat.slots] = self.num_steps
+            return ScheduledBatch(repeat.requests, repeat.slots, repeat.first_block, repeat.num_blocks,
+                                  repeat.decodes, self.block_length, self.seats, single_blocks=True)
         total_blocks = self.max_scheduled_tokens // self.block_length
         running = self._place_running(total_blocks)
         if running is None:
             running = self._place_running_one_by_one(total_blocks)
-        requests, slots, first, num, decodes, barrier = running
+        requests, slots, first, num, decodes, barrier, single = running
         budget_blocks = total_blocks - int(num.sum())
         admitted: list[ScheduledRow] = []
         admit = barrier and (self.policy != "static" or not self.running)
@@ -268,15 +287,17 @@ class Scheduler:
             self.running.append(request)
             self._running_slots.append(request.slot)
             self._slots_array = None
+            self._repeat = None
             admitted.append(row)
             budget_blocks -= row.num_blocks
         if admitted:
+            single = False
             extra = ScheduledBatch.of_rows(admitted, self.block_length)
             requests = requests + extra.requests
             slots, first = np.concatenate([slots, extra.slots]), np.concatenate([first, extra.first_block])
             num, decodes = np.concatenate([num, extra.num_blocks]), np.concatenate([decodes, extra.decodes])
         self.seats.last_scheduled_step[slots] = self.num_steps
-        return ScheduledBatch(requests, slots, first, num, decodes, self.block_length, self.seats)
+        return ScheduledBatch(requests, slots, first, num, decodes, self.block_length, self.seats, single)
 
     def _running_slot_array(self) -> np.ndarray:
         if self._slots_array is None:
@@ -311,6 +332,7 @@ class Scheduler:
         fit = int(taken.searchsorted(total_blocks, side="right"))  # rows whose whole need fits
         left = total_blocks - (int(taken[fit - 1]) if fit else 0)
         num, decodes = need[:fit], np.ones(fit, dtype=bool)
+        single = fit == slots.shape[0] and (not fit or int(taken[-1]) == fit)  # every need is 1
         if fit < slots.shape[0]:
             if left > 0:  # a chunk of its uncached blocks (uncached >= left here)
                 fit += 1
@@ -327,7 +349,7 @@ class Scheduler:
         if total_missing:
             for i in missing.nonzero()[0].tolist():  # in row order: the pages the sequential rule gives
                 manager.allocate(requests[i], int(first[i] + num[i]))
-        return requests, slots, first, num, decodes, barrier
+        return requests, slots, first, num, decodes, barrier, single
 
     def _place_running_one_by_one(self, total_blocks: int):
         """The same rows, one at a time, preempting the newest running requests while pages run out."""
@@ -346,7 +368,7 @@ class Scheduler:
                 rows.append(row)
                 used += row.num_blocks
         batch = ScheduledBatch.of_rows(rows, self.block_length)
-        return batch.requests, batch.slots, batch.first_block, batch.num_blocks, batch.decodes, barrier
+        return batch.requests, batch.slots, batch.first_block, batch.num_blocks, batch.decodes, barrier, False
 
     def _row_for(self, request: Request, budget_blocks: int, first_block: Optional[int] = None) -> ScheduledRow:
         first = request.num_cached_blocks if first_block is None else first_block
