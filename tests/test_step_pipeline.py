@@ -321,3 +321,23 @@ def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkey
     assert with_memo[2] > 0 and without_memo[2] == 0  # the memo was used, and only in the first run
     assert with_memo[0] == without_memo[0]
     assert with_memo[1] == without_memo[1]
+
+
+def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm, monkeypatch):
+    """An editing decoder ends a block on a forward that changes nothing; that forward wrote the
+    block's K/V from its final tokens, so the next forward runs the next block alone (no commit
+    segment), and the tokens and forwards still match the reference. editing_threshold=1.0 never
+    edits, so every block ends that way."""
+    rows = []
+    original = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = original()
+        rows.extend(batch.num_blocks.tolist())
+        return batch
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", recording_schedule)
+    params = SamplingParams(max_new_tokens=3 * BL, decoder="joint_threshold", editing_threshold=1.0, ignore_eos=True)
+    [result] = check_parity(llm, prompts(llm, [2 * BL], seed=6), [params])
+    assert result.stats.blocks_committed == 3
+    assert rows[0] == 3 and rows[1:] and set(rows[1:]) == {1}  # two prompt blocks + the active one, then one block a row

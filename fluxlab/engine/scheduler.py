@@ -187,6 +187,12 @@ class Scheduler:
         rows = decodes.nonzero()[0]
         seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
         starts = seats.active_block[seat] * bl
+        final = out.final.nonzero()[0]
+        if final.shape[0]:
+            # A block whose final forward changed none of its tokens got its K/V from that forward,
+            # computed over its final tokens: it needs no commit segment in the next forward.
+            written = seats.tokens[seat[final][:, None], starts[final][:, None] + seats.block_offsets]
+            kv_written = (written == out.blocks[final]).all(axis=1).tolist()
         seats.tokens[seat[:, None], starts[:, None] + seats.block_offsets] = out.blocks
         seats.forwards[seat] += 1
         seats.tokens_accepted[seat] += out.filled
@@ -204,7 +210,6 @@ class Scheduler:
                 requests[rows[i]].decoder_log.append(out.log[i].copy())
                 seats.log_len[seat[i]] += 1
         outputs = []
-        final = out.final.nonzero()[0]
         if not final.shape[0]:
             # Nothing finished a block, so every row is still inside its block: the next schedule
             # gives the same rows in the same order (every running request, oldest first), and
@@ -229,6 +234,9 @@ class Scheduler:
             stats.forwards += work[0][j]
             stats.tokens_accepted += work[1][j]
             stats.tokens_edited += work[2][j]
+            if kv_written[j]:
+                request.num_cached_blocks = committed[j] + 1
+                self.block_manager.cache_blocks(request, committed[j], committed[j] + 1)
             request.commit_block(committed[j], blocks[j])
             if request.params.stop and request.finish_reason in (None, "length") and self.text_stops is not None:
                 if self.text_stops.apply(request):

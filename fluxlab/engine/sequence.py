@@ -3,7 +3,9 @@
 The canvas is ceil((prompt + max_new_tokens) / block_length) blocks aligned to position 0. Blocks
 before `active_block` hold final tokens; `num_cached_blocks` of them have K/V in the cache. A block
 becomes final only when the decoder says so, and its K/V is written by the next forward that runs
-it with those final tokens (a prefill chunk or the fused commit + first step of the next block).
+it with those final tokens (a prefill chunk or the fused commit + first step of the next block),
+unless the forward that made it final changed none of its tokens: that forward's K/V is already
+computed over the final tokens (editing decoders end blocks so), and the block is cached at once.
 
 Only Scheduler.postprocess (a step's results) and the scheduler's admission/preemption change a
 Request after it is queued; `tokens` is the host mirror of the device's active block.
