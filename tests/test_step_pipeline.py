@@ -341,3 +341,14 @@ def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm,
     [result] = check_parity(llm, prompts(llm, [2 * BL], seed=6), [params])
     assert result.stats.blocks_committed == 3
     assert rows[0] == 3 and rows[1:] and set(rows[1:]) == {1}  # two prompt blocks + the active one, then one block a row
+
+
+def test_flashinfer_segments_plan_each_query_block_over_its_prefix_pages():
+    """A row of n query blocks from block f is n segments; segment f+i attends pages 0..f+i."""
+    from fluxlab.engine.layers.attention_flashinfer import segments
+
+    qo, kv_indptr, kv_indices = segments([(2, 1, [7, 8, 9]), (0, 2, [4, 5]), (1, 2, [1, 2, 3])], 16)
+    assert qo.tolist() == [0, 16, 32, 48, 64, 80]
+    assert kv_indptr.tolist() == [0, 3, 4, 6, 8, 11]
+    assert kv_indices.tolist() == [7, 8, 9, 4, 4, 5, 1, 2, 1, 2, 3]
+    assert qo.dtype == kv_indptr.dtype == kv_indices.dtype == np.int32
