@@ -8,22 +8,21 @@ state live here and the Request's attributes read through to them (sequence.py);
 are copied back into the request, so a preempted request resumes with the same values.
 
 Only the scheduler writes these arrays (its postprocess, and admission / preemption in schedule);
-tests/test_step_pipeline.py checks that a step's forward leaves them untouched. The page tables' mirror (`pages`) belongs to the block manager, which writes it as it hands out
-pages; the runner reads it to build slot mappings.
+tests/test_step_pipeline.py checks that a step's forward leaves them untouched. The page tables'
+mirror (`pages`) belongs to the block manager, which writes it as it hands out pages; the runner
+reads it to build slot mappings.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
 from fluxlab.engine.decoding.registry import DECODERS
-
-if TYPE_CHECKING:
-    from fluxlab.engine.sequence import Request
+from fluxlab.engine.sequence import SEATED, Request
 
 # Per-seat int64 counters a Request reads through while seated (sequence.py's properties).
-PROGRESS = ("active_block", "num_cached_blocks", "forwards_in_block", "last_scheduled_step")
+PROGRESS = SEATED
 # Per-seat work done since the last fold into request.stats (at a block commit and at release).
 UNFOLDED = ("forwards", "tokens_accepted", "tokens_edited")
 

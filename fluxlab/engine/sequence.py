@@ -27,9 +27,12 @@ from fluxlab.engine.request import RequestState, RequestStats, SamplingParams
 
 _serials = itertools.count()
 
+# Progress counters that live in the request's seat while it has one (seats.py).
+SEATED = ("active_block", "num_cached_blocks", "forwards_in_block", "last_scheduled_step")
+
 
 def _seated(name: str) -> property:
-    """An int counter that lives in the request's seat while it has one (seats.PROGRESS)."""
+    """An int counter that lives in the request's seat while it has one (SEATED)."""
 
     def get(self) -> int:
         seats = self._seats
@@ -101,7 +104,7 @@ class Request:
     def seat_out(self) -> None:
         """Called by Seats.detach: the seat's values become the request's own again."""
         seats, seat = self._seats, self.slot
-        for name in ("active_block", "num_cached_blocks", "forwards_in_block", "last_scheduled_step"):
+        for name in SEATED:
             self.__dict__[name] = int(getattr(seats, name)[seat])
         self._tokens = seats.tokens[seat, :self._tokens.shape[0]].copy()
         self._decoder_state = seats.decoder_state(seat)
