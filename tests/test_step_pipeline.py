@@ -3,6 +3,7 @@ is the one writer of request state, a failing row fails alone, logits are comput
 decoder may write, and the graph planner covers every batch shape."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,7 +107,7 @@ def test_logits_only_at_positions_a_decoder_may_write(llm, monkeypatch, decoder)
                 if DECODERS[request.params.decoder].edits:
                     expected += int(editable.sum())
                 else:
-                    expected += int(((torch.from_numpy(block) == engine.mask_id) & editable).sum())
+                    expected += int(((torch.from_numpy(block.copy()) == engine.mask_id) & editable).sum())
             seen.append((inputs.logit_index.shape[0], expected))
         return inputs, decode_inputs
 
@@ -163,10 +164,34 @@ def test_postprocess_is_the_only_writer_of_request_progress(llm, monkeypatch):
         finally:
             inside["postprocess"] = False
 
+    # While seated, a request's progress lives in its seat's arrays (seats.py), written by numpy
+    # calls, not attributes: the step's forward and decode (runner.run) must leave them untouched.
+    from fluxlab.engine.seats import PROGRESS, UNFOLDED
+
+    seats = engine.scheduler.seats
+    names = ("tokens", "decoding", "state", "columns", "log_len", *PROGRESS, *UNFOLDED)
+    original_run = engine.runner.run
+
+    def checked_run(batch):
+        before = {name: getattr(seats, name).copy() for name in names}
+        out = original_run(batch)
+        for name in names:
+            if not np.array_equal(before[name], getattr(seats, name)):
+                violations.append((name, f"runner.run changed seats.{name}"))
+        return out
+
     monkeypatch.setattr(sequence.Request, "__setattr__", guarded)
     monkeypatch.setattr(engine.scheduler, "postprocess", wrapped)
+    monkeypatch.setattr(engine.runner, "run", checked_run)
     check_parity(llm, prompts(llm, [9, 30], seed=8), [SamplingParams(max_new_tokens=40)] * 2)
     assert not violations, violations[0][1]
+
+
+def test_prefill_chunks_without_a_decoding_row_match_the_reference():
+    """A prompt longer than the token budget runs forwards that decode nothing (the runner returns
+    no step output); postprocess still caches their blocks."""
+    budget_llm = engine_llm("scheduler.max_scheduled_tokens=32")
+    check_parity(budget_llm, prompts(budget_llm, [3 * BL + 5, 9], seed=4), [SamplingParams(max_new_tokens=24)] * 2)
 
 
 @pytest.mark.parametrize("rows,mode,want", [
@@ -265,3 +290,66 @@ def test_misaligned_rows_never_reach_a_block_routed_moe(llm):
 
     with pytest.raises(ValueError, match="routing block"):
         check_routing_blocks(list(range(16)) + list(range(16)), 32)  # two 16-token rows fill one block of 32
+
+
+@pytest.mark.parametrize("policy", ["paged", "dynamic"])
+def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkeypatch):
+    """After a step where no row finished its block, schedule reuses the last batch's rows; the
+    full placement must give the same rows in every step, and the same tokens."""
+    from fluxlab.engine.scheduler import Scheduler
+
+    def run(memo: bool):
+        llm = engine_llm(f"scheduler={policy}", "scheduler.enable_prefix_cache=false")  # both runs start cold
+        scheduler = llm.engine.scheduler
+        batches, seen, reused = [], {}, []
+        original = scheduler.schedule
+
+        def recording_schedule():
+            reused.append(scheduler._repeat is not None)
+            batch = original()
+            order = [seen.setdefault(r.serial, len(seen)) for r in batch.requests]  # requests by arrival
+            batches.append((order, batch.first_block.tolist(), batch.num_blocks.tolist(), batch.decodes.tolist()))
+            return batch
+
+        with monkeypatch.context() as m:
+            m.setattr(scheduler, "schedule", recording_schedule)
+            if not memo:
+                m.setattr(Scheduler, "_repeat", property(lambda self: None, lambda self, value: None), raising=False)
+            results = llm.generate(prompts(llm, [5, 18, 33, 9], seed=21), [SamplingParams(max_new_tokens=40)] * 4)
+        return [r.token_ids for r in results], batches, sum(reused)
+
+    with_memo, without_memo = run(True), run(False)
+    assert with_memo[2] > 0 and without_memo[2] == 0  # the memo was used, and only in the first run
+    assert with_memo[0] == without_memo[0]
+    assert with_memo[1] == without_memo[1]
+
+
+def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm, monkeypatch):
+    """An editing decoder ends a block on a forward that changes nothing; that forward wrote the
+    block's K/V from its final tokens, so the next forward runs the next block alone (no commit
+    segment), and the tokens and forwards still match the reference. editing_threshold=1.0 never
+    edits, so every block ends that way."""
+    rows = []
+    original = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = original()
+        rows.extend(batch.num_blocks.tolist())
+        return batch
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", recording_schedule)
+    params = SamplingParams(max_new_tokens=3 * BL, decoder="joint_threshold", editing_threshold=1.0, ignore_eos=True)
+    [result] = check_parity(llm, prompts(llm, [2 * BL], seed=6), [params])
+    assert result.stats.blocks_committed == 3
+    assert rows[0] == 3 and rows[1:] and set(rows[1:]) == {1}  # two prompt blocks + the active one, then one block a row
+
+
+def test_flashinfer_segments_plan_each_query_block_over_its_prefix_pages():
+    """A row of n query blocks from block f is n segments; segment f+i attends pages 0..f+i."""
+    from fluxlab.engine.layers.attention_flashinfer import segments
+
+    qo, kv_indptr, kv_indices = segments([(2, 1, [7, 8, 9]), (0, 2, [4, 5]), (1, 2, [1, 2, 3])], 16)
+    assert qo.tolist() == [0, 16, 32, 48, 64, 80]
+    assert kv_indptr.tolist() == [0, 3, 4, 6, 8, 11]
+    assert kv_indices.tolist() == [7, 8, 9, 4, 4, 5, 1, 2, 1, 2, 3]
+    assert qo.dtype == kv_indptr.dtype == kv_indices.dtype == np.int32

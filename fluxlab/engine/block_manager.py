@@ -14,12 +14,18 @@ page tables that hold them; unreferenced entries stay until their page is needed
 
 Every page is in exactly one of: free, cached and unreferenced (reclaimable), in use by requests.
 `num_free_pages` counts the first two (what admission and /get_load can count on).
+
+`seat_pages` / `seat_num_pages` mirror the page table of each seated request (seats.py) as numpy
+rows, written here whenever a table changes, so the runner builds slot mappings without a Python
+loop over rows.
 """
 from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict, deque
 from typing import Iterable
+
+import numpy as np
 
 from fluxlab.engine.sequence import Request
 
@@ -38,7 +44,8 @@ class CachedBlock:
 
 class BlockManager:
     def __init__(self, num_pages: int, layout: str = "paged", pages_per_slot: int = 0,
-                 enable_prefix_cache: bool = False, first_page: int = 0):
+                 enable_prefix_cache: bool = False, first_page: int = 0, num_seats: int = 0,
+                 max_blocks_per_seq: int = 0):
         """first_page: the id of this pool's first page (data-parallel attention numbers the pools
         of all ranks in one range, so a page id says its rank)."""
         if layout == "dense":
@@ -62,6 +69,17 @@ class BlockManager:
         self.num_queried_blocks = 0  # final blocks looked up at admission
         self.num_hit_blocks = 0  # of those, found in the cache
         self.num_evicted_pages = 0
+        self.seat_pages = np.zeros((num_seats, max_blocks_per_seq), dtype=np.int64)
+        self.seat_num_pages = np.zeros(num_seats, dtype=np.int64)
+
+    def _mirror(self, request: Request, start: int = 0) -> None:
+        """Copy the request's page table from index `start` on into its seat's row."""
+        seat = request.slot
+        if seat is None or not self.seat_pages.shape[0]:
+            return
+        table = request.page_table
+        self.seat_pages[seat, start:len(table)] = table[start:]
+        self.seat_num_pages[seat] = len(table)
 
     @property
     def num_free_pages(self) -> int:
@@ -118,6 +136,7 @@ class BlockManager:
                 self._ref(entry)
                 self.free_pages.append(table[block])
                 table[block] = entry.page
+                self._mirror(request, block)
             parent = entry.serial
 
     def _ref(self, entry: CachedBlock) -> None:
@@ -155,15 +174,18 @@ class BlockManager:
             if not request.page_table:
                 slot = self.free_slots.popleft()
                 request.page_table = list(range(slot * self.pages_per_slot, (slot + 1) * self.pages_per_slot))
+                self._mirror(request)
             return
         if self.enable_prefix_cache and not request.page_table:
             self.num_queried_blocks += request.active_block
             self.num_hit_blocks += len(hits)
+        start = len(request.page_table)
         for entry in hits:
             self._ref(entry)
             request.page_table.append(entry.page)
         while len(request.page_table) < num_blocks:
             request.page_table.append(self._take_page())
+        self._mirror(request, start)
 
     def free(self, request: Request) -> None:
         if self.layout == "dense":
@@ -182,6 +204,7 @@ class BlockManager:
                     self.evictable[page] = None
         request.page_table = []
         request.num_cached_blocks = 0
+        self._mirror(request)
 
     def check(self, requests: Iterable[Request]) -> None:
         """Raise if the accounting is off: every page free, cached-unreferenced or in use, exactly

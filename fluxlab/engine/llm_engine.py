@@ -145,7 +145,9 @@ class LLMEngine:
         num_pages = self._num_kv_pages(free_at_start if self.device.type == "cuda" else 0)
         layout = cfg.engine.kv_cache_layout
         self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length,
-                                          enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
+                                          enable_prefix_cache=cfg.scheduler.enable_prefix_cache,
+                                          num_seats=cfg.scheduler.max_num_seqs,
+                                          max_blocks_per_seq=-(-self.max_model_len // self.block_length))
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
@@ -370,8 +372,8 @@ class LLMEngine:
                     type(err).__name__, err)
         self.runner.invalidate_step_state()  # the device state may be half-updated: rewrite it from the host
         outputs = []
-        for row in batch.rows:
-            alone = ScheduledBatch([row], batch.block_length)
+        for index, row in enumerate(batch.rows):
+            alone = batch.select([index])
             try:
                 outputs += self.scheduler.postprocess(alone, self.runner.run(alone))
                 self.total_forwards += 1

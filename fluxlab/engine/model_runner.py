@@ -41,7 +41,8 @@ class StepInputs:
     rows: list[tuple[int, int, bool, list[int]]]
     logit_index: np.ndarray
     num_greedy: int = 0
-    seats: Optional[list[tuple[int, int]]] = None
+    pages: Optional[np.ndarray] = None  # [num_segments] the page of each query block (None: from rows)
+    seats: Optional[list[tuple[int, int]]] = None  # (seat, request serial) per row: TP workers' state keys
 
     @property
     def num_segments(self) -> int:
@@ -92,6 +93,7 @@ class ModelRunner:
         # the host time a step costs the GPU is (launch - step start) + (step end - results).
         self.launched_at = self.results_at = 0.0
         self._staging = torch.empty(0, dtype=torch.long)
+        self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
@@ -132,51 +134,59 @@ class ModelRunner:
 
     # --- host side ---
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
-        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes."""
+        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
+        index is computed with numpy over the batch's seats (seats.py), no loop over rows."""
         bl = self.block_length
-        spans, rows, block_starts, decoding = [], [], [], []
-        seats = [(row.request.slot, row.request.serial) for row in batch.rows]
-        offset = 0
-        for row in batch.rows:
-            request = row.request
-            start = row.first_block * bl
-            length = row.num_blocks * bl
-            spans.append((request.tokens[start:start + length], start, length))
-            rows.append((row.first_block, row.num_blocks, row.decodes, request.page_table))
-            if row.decodes:
-                block_starts.append(offset + length - bl)
-                decoding.append(request)
-            offset += length
-        token_ids = np.concatenate([tokens for tokens, _, _ in spans])
-        positions = np.concatenate([np.arange(start, start + length) for _, start, length in spans])
+        seats = batch.seats
+        slots, first, num = batch.slots, batch.first_block, batch.num_blocks
+        if batch.single_blocks:  # one query block per row, its active block (most decode steps)
+            block_ends = np.arange(1, slots.shape[0] + 1)
+            block_seat, query_block = slots, first
+        else:
+            block_ends = num.cumsum()  # flat index of the query block after each row's last
+            # Per query block: its row's seat and its block in that row's canvas.
+            block_seat = np.repeat(slots, num)
+            query_block = np.repeat(first - block_ends + num, num) + np.arange(int(block_ends[-1]))
+        pages = seats.pages[block_seat, query_block]
+        positions = query_block[:, None] * bl + self._block_offsets
+        token_ids = seats.tokens[block_seat[:, None], positions].ravel()
+        positions = positions.ravel()
+        rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(), [r.page_table for r in batch.requests]))
+        row_seats = list(zip(slots.tolist(), [r.serial for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
-            lengths = np.array([length for _, _, length in spans])
-            check_routing_blocks(positions, self.routing_block_size, row_starts=np.cumsum(lengths) - lengths)
-        if not decoding:
-            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), seats=seats), None
-        num = len(decoding)
-        block_index = (np.asarray(block_starts)[:, None] + np.arange(bl)).ravel()
-        blocks = token_ids[block_index].reshape(num, bl)
-        prompt = np.array([r.prompt_positions_in_active_block() for r in decoding])
-        decoders = [DECODERS[r.params.decoder] for r in decoding]
-        edits = np.array([d.edits for d in decoders])
+            check_routing_blocks(positions, self.routing_block_size, row_starts=(block_ends - num) * bl)
+        decoding_rows = batch.decodes.nonzero()[0]
+        if not decoding_rows.shape[0]:
+            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages,
+                              seats=row_seats), None
+        num_rows = decoding_rows.shape[0]
+        if batch.single_blocks:
+            seat, block_index = slots, np.arange(num_rows * bl)
+        else:
+            seat = slots[decoding_rows]
+            block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
+        blocks = token_ids[block_index].reshape(num_rows, bl)
+        prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
         # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
-        full = np.array([r.params.temperature > 0 or d.needs_logits for r, d in zip(decoding, decoders)])
-        editable = np.arange(bl)[None, :] >= prompt[:, None]
+        full = seats.full_logits[seat]
+        editable = self._block_offsets >= prompt[:, None]
         # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
         # editing decoder.
-        need = editable & (edits[:, None] | (blocks == self.mask_id)) & ~full[:, None]
-        greedy_target = np.flatnonzero(need)
-        full_rows = np.flatnonzero(full)
-        logit_index = np.concatenate([block_index[greedy_target]]
-                                     + [block_index[r * bl:(r + 1) * bl] for r in full_rows])
-        log_len = np.array([len(r.decoder_log) for r in decoding], dtype=np.int64)
-        decode_inputs = DecodeInputs(decoding, np.array([r.slot for r in decoding]), block_index, greedy_target,
-                                     full_rows, log_len, sorted({r.params.decoder for r in decoding}))
-        return StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), seats), decode_inputs
+        need = editable & (seats.edits[seat][:, None] | (blocks == self.mask_id)) & ~full[:, None]
+        greedy_target = need.ravel().nonzero()[0]
+        full_rows = full.nonzero()[0]
+        logit_index = block_index[greedy_target]
+        if full_rows.shape[0]:
+            logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
+        decoders = [seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist())]
+        requests = batch.requests if batch.single_blocks else [batch.requests[i] for i in decoding_rows.tolist()]
+        decode_inputs = DecodeInputs(requests, seat, block_index,
+                                     greedy_target, full_rows, seats.log_len[seat], sorted(decoders))
+        return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages,
+                           seats=row_seats), decode_inputs)
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""
@@ -217,7 +227,9 @@ class ModelRunner:
         uploaded)."""
         bl = self.block_length
         rows = [(first, n, table) for first, n, _, table in inputs.rows]
-        pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
+        pages = inputs.pages
+        if pages is None:
+            pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
         slots = (pages[:, None] * bl + np.arange(bl)).ravel()
         ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
             [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
@@ -292,7 +304,7 @@ class ModelRunner:
         self.results_at = time.perf_counter()
         at = bl + 3 + len(names)
         out = StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),
-                         {n: host[:, bl + 3 + i] for i, n in enumerate(names)},
+                         {n: host[:, bl + 3 + i] for i, n in enumerate(names)}, host[:, bl + 3:at],
                          {c: host[:, at + i * bl:at + (i + 1) * bl] for i, c in enumerate(columns)})
         if result.log is not None:
             at += len(columns) * bl

@@ -24,6 +24,7 @@ import numpy as np
 
 from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.request import RequestOutput, RequestState
+from fluxlab.engine.seats import UNFOLDED, Seats
 from fluxlab.engine.sequence import Request
 
 
@@ -36,6 +37,7 @@ class StepOutput:
     edited: np.ndarray  # [R] token -> token edits
     final: np.ndarray  # [R] bool: the block is final
     state: dict[str, np.ndarray]  # decoder state after the step, [R] each
+    state_matrix: Optional[np.ndarray] = None  # [R, names] the same, every registered name in sorted order
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # [R, bl] each (decoders present only)
     log: Optional[np.ndarray] = None  # [R, bl] rows appended to each row's decoder log where `logged`
     logged: Optional[np.ndarray] = None  # [R] bool
@@ -64,16 +66,47 @@ class ScheduledRow:
 
 @dataclass
 class ScheduledBatch:
-    rows: list[ScheduledRow]
+    """One forward's rows as seat-indexed arrays, in batch order (the runner reads the seats' host
+    state through `seats`); `rows` gives the same rows as objects, for code off the hot path."""
+
+    requests: list[Request]
+    slots: np.ndarray  # [N] seat of each row
+    first_block: np.ndarray  # [N] == the request's num_cached_blocks
+    num_blocks: np.ndarray  # [N] query blocks in this forward
+    decodes: np.ndarray  # [N] bool: the last query block is the active block
     block_length: int
+    seats: Optional[Seats] = None
+    single_blocks: bool = False  # every row decodes its active block alone (no commit or prefill blocks)
+
+    @classmethod
+    def of_rows(cls, rows: list[ScheduledRow], block_length: int, seats: Optional[Seats] = None) -> "ScheduledBatch":
+        return cls([r.request for r in rows], np.array([r.request.slot for r in rows], dtype=np.int64),
+                   np.array([r.first_block for r in rows], dtype=np.int64),
+                   np.array([r.num_blocks for r in rows], dtype=np.int64),
+                   np.array([r.decodes for r in rows], dtype=bool), block_length, seats)
+
+    def select(self, index: list[int]) -> "ScheduledBatch":
+        """The batch of only these rows (a failed step retries each row alone)."""
+        return ScheduledBatch([self.requests[i] for i in index], self.slots[index], self.first_block[index],
+                              self.num_blocks[index], self.decodes[index], self.block_length, self.seats,
+                              self.single_blocks)
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        return [ScheduledRow(r, f, n, d) for r, f, n, d in zip(self.requests, self.first_block.tolist(),
+                                                                self.num_blocks.tolist(), self.decodes.tolist())]
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_blocks for r in self.rows) * self.block_length
+        return int(self.num_blocks.sum()) * self.block_length
 
     @property
     def decode_rows(self) -> list[ScheduledRow]:
         return [r for r in self.rows if r.decodes]
+
+    @property
+    def decode_requests(self) -> list[Request]:
+        return [self.requests[i] for i in np.flatnonzero(self.decodes)]
 
 
 class Scheduler:
@@ -81,13 +114,18 @@ class Scheduler:
                  block_manager: BlockManager, text_stops: Optional[TextStops] = None):
         self.policy = policy
         self.text_stops = text_stops
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # seats of the device step state
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # seats of the host and device step state
         self.max_num_seqs = max_num_seqs
         self.max_scheduled_tokens = max_scheduled_tokens
         self.block_length = block_length
         self.block_manager = block_manager
+        self.seats = Seats(max_num_seqs, block_manager.seat_pages.shape[1], block_length, block_manager.seat_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, in arrival order
+        self._running_slots: list[int] = []  # their seats, same order
+        self._slots_array: Optional[np.ndarray] = None  # _running_slots as an array, until running changes
+        # The last batch, when the next schedule would give the same rows (see postprocess).
+        self._repeat: Optional[ScheduledBatch] = None
         self.num_steps = 0
 
     def add(self, request: Request) -> None:
@@ -97,14 +135,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _release(self, request: Request) -> None:
+        self._repeat = None
         if request in self.running:
-            self.running.remove(request)
+            index = self.running.index(request)
+            del self.running[index], self._running_slots[index]
+            self._slots_array = None
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
         if request.slot is not None:
             self.free_slots.append(request.slot)
-            request.slot = None
+            self.seats.detach(request)
 
     def abort(self, request: Request) -> RequestOutput:
         self._release(request)
@@ -123,46 +164,89 @@ class Scheduler:
         return self._output(request)
 
     # --- a step's results ---
-    def postprocess(self, batch: "ScheduledBatch", out: Optional[StepOutput]) -> list[RequestOutput]:
+    def postprocess(self, batch: ScheduledBatch, out: Optional[StepOutput]) -> list[RequestOutput]:
         """Apply one forward to its requests: cached blocks, each decoding row's block, counters,
         block commits, EOS / length / stop-string finishes. Returns the outputs to report."""
         now = time.perf_counter()
-        for row in batch.rows:
-            request = row.request
-            request.num_cached_blocks = row.first_block + row.num_commit_blocks
-            request.state = RequestState.DECODING if row.decodes else RequestState.PREFILLING
-            # Their K/V is written now, from their final tokens: other requests may share it.
-            self.block_manager.cache_blocks(request, row.first_block, request.num_cached_blocks)
+        self._repeat = None
+        seats, bl = self.seats, self.block_length
+        slots, first, decodes = batch.slots, batch.first_block, batch.decodes
+        if not batch.single_blocks:  # rows with final blocks whose K/V this forward wrote
+            commits = batch.num_blocks - decodes
+            seats.num_cached_blocks[slots] = first + commits
+            if self.block_manager.enable_prefix_cache:
+                # Their K/V is written now, from their final tokens: other requests may share it.
+                for i in commits.nonzero()[0].tolist():
+                    self.block_manager.cache_blocks(batch.requests[i], int(first[i]), int(first[i] + commits[i]))
+        changed = (seats.decoding[slots] != decodes).nonzero()[0].tolist()
+        for i in changed:
+            batch.requests[i].state = RequestState.DECODING if decodes[i] else RequestState.PREFILLING
+        seats.decoding[slots] = decodes
+        if out is None:
+            return []
+        rows = decodes.nonzero()[0]
+        seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
+        starts = seats.active_block[seat] * bl
+        final = out.final.nonzero()[0]
+        if final.shape[0]:
+            # A block whose final forward changed none of its tokens got its K/V from that forward,
+            # computed over its final tokens: it needs no commit segment in the next forward.
+            written = seats.tokens[seat[final][:, None], starts[final][:, None] + seats.block_offsets]
+            kv_written = (written == out.blocks[final]).all(axis=1).tolist()
+        seats.tokens[seat[:, None], starts[:, None] + seats.block_offsets] = out.blocks
+        seats.forwards[seat] += 1
+        seats.tokens_accepted[seat] += out.filled
+        seats.tokens_edited[seat] += out.edited
+        seats.forwards_in_block[seat] += 1
+        if out.state_matrix is not None:
+            seats.state[seat] = out.state_matrix
+        elif seats.state_names:
+            seats.state[seat] = np.stack([out.state[n] for n in seats.state_names], axis=1)
+        for name, values in out.columns.items():
+            seats.columns[seat, seats.column_names.index(name)] = values
+        requests = batch.requests
+        if out.logged is not None:
+            for i in out.logged.nonzero()[0].tolist():
+                requests[rows[i]].decoder_log.append(out.log[i].copy())
+                seats.log_len[seat[i]] += 1
         outputs = []
-        # Host lists once per step: numpy scalar indexing per row costs more than the row's work.
-        filled, edited, final = out.filled.tolist(), out.edited.tolist(), out.final.tolist()
-        states = {name: values.tolist() for name, values in out.state.items()}
-        logged = out.logged.tolist() if out.logged is not None else None
-        for i, row in enumerate(batch.decode_rows):
-            request = row.request
-            start, end = request.block_range(request.active_block)
-            request.tokens[start:end] = out.blocks[i]
-            request.stats.forwards += 1
-            request.stats.tokens_accepted += filled[i]
-            request.stats.tokens_edited += edited[i]
-            request.forwards_in_block += 1
-            request.decoder_state = {name: values[i] for name, values in states.items()}
-            if out.columns:
-                request.decoder_columns = {name: values[i].copy() for name, values in out.columns.items()}
-            if logged is not None and logged[i]:
-                request.decoder_log.append(out.log[i].copy())
-            if not final[i]:
-                continue
-            request.commit_active_block()
+        if not final.shape[0]:
+            # Nothing finished a block, so every row is still inside its block: the next schedule
+            # gives the same rows in the same order (every running request, oldest first), and
+            # no row needs a new page or lets a waiting request in (paged: not at a barrier).
+            if batch.single_blocks and not changed and batch.requests == self.running:
+                self._repeat = batch
+            return outputs
+        # The seats move on to their next block (counters, decoder state zero at block entry) ...
+        seat = seat[final]
+        committed = seats.active_block[seat].tolist()
+        seats.active_block[seat] += 1
+        for array in (seats.forwards_in_block, seats.state, seats.columns, seats.log_len):
+            array[seat] = 0
+        work = [getattr(seats, name)[seat].tolist() for name in UNFOLDED]
+        for array in (seats.forwards, seats.tokens_accepted, seats.tokens_edited):
+            array[seat] = 0
+        # ... and each request takes its block's output (per committing row only).
+        blocks = out.blocks[final].tolist()
+        for j, i in enumerate(final.tolist()):
+            request = requests[rows[i]]
+            stats = request.stats
+            stats.forwards += work[0][j]
+            stats.tokens_accepted += work[1][j]
+            stats.tokens_edited += work[2][j]
+            if kv_written[j]:
+                request.num_cached_blocks = committed[j] + 1
+                self.block_manager.cache_blocks(request, committed[j], committed[j] + 1)
+            request.commit_block(committed[j], blocks[j])
             if request.params.stop and request.finish_reason in (None, "length") and self.text_stops is not None:
                 if self.text_stops.apply(request):
                     request.finish_reason = "stop"
-            if request.stats.first_token_time is None:
-                request.stats.first_token_time = now
+            if stats.first_token_time is None:
+                stats.first_token_time = now
             if request.finish_reason is not None:
                 self._release(request)
                 request.state = RequestState.FINISHED
-                request.stats.finish_time = now
+                stats.finish_time = now
                 outputs.append(self._output(request))
             elif len(request.output_ids) > request.num_emitted:
                 outputs.append(self._output(request))
@@ -181,17 +265,107 @@ class Scheduler:
     # --- scheduling ---
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
+        repeat = self._repeat
+        if repeat is not None and (self.policy != "dynamic" or not self.waiting
+                                   or len(self.running) >= self.max_num_seqs):
+            self.seats.last_scheduled_step[repeat.slots] = self.num_steps
+            return ScheduledBatch(repeat.requests, repeat.slots, repeat.first_block, repeat.num_blocks,
+                                  repeat.decodes, self.block_length, self.seats, single_blocks=True)
         total_blocks = self.max_scheduled_tokens // self.block_length
-        candidates = list(self.running)
-        barrier = True
+        running = self._place_running(total_blocks)
+        if running is None:
+            running = self._place_running_one_by_one(total_blocks)
+        requests, slots, first, num, decodes, barrier, single = running
+        budget_blocks = total_blocks - int(num.sum())
+        admitted: list[ScheduledRow] = []
+        admit = barrier and (self.policy != "static" or not self.running)
+        while admit and self.waiting and len(self.running) < self.max_num_seqs and budget_blocks > 0:
+            request = self.waiting[0]
+            hits = self.block_manager.match(request)  # leading final blocks whose K/V is cached
+            row = self._row_for(request, budget_blocks, first_block=len(hits))
+            if not self.block_manager.can_allocate(request, row.first_block + row.num_blocks, hits):
+                break  # FIFO: no overtaking; pages come back as running requests finish
+            self.waiting.popleft()
+            self.seats.attach(request, self.free_slots.pop())  # before allocate: the seat mirrors its pages
+            self.block_manager.allocate(request, row.first_block + row.num_blocks, hits)
+            request.num_cached_blocks = len(hits)
+            if not request.stats.preemptions:  # OpenAI's cached_tokens: prompt tokens served from the cache
+                request.stats.cached_tokens = len(hits) * self.block_length
+            request.state = RequestState.PREFILLING
+            self.running.append(request)
+            self._running_slots.append(request.slot)
+            self._slots_array = None
+            self._repeat = None
+            admitted.append(row)
+            budget_blocks -= row.num_blocks
+        if admitted:
+            single = False
+            extra = ScheduledBatch.of_rows(admitted, self.block_length)
+            requests = requests + extra.requests
+            slots, first = np.concatenate([slots, extra.slots]), np.concatenate([first, extra.first_block])
+            num, decodes = np.concatenate([num, extra.num_blocks]), np.concatenate([decodes, extra.decodes])
+        self.seats.last_scheduled_step[slots] = self.num_steps
+        return ScheduledBatch(requests, slots, first, num, decodes, self.block_length, self.seats, single)
+
+    def _running_slot_array(self) -> np.ndarray:
+        if self._slots_array is None:
+            self._slots_array = np.array(self._running_slots, dtype=np.int64)
+        return self._slots_array
+
+    def _candidates(self) -> tuple[np.ndarray, bool]:
+        """Indices into `running` of the rows that may run, oldest-scheduled first (arrival order
+        among equals), and whether the batch is at a barrier (new requests may join)."""
+        seats = self.seats
+        slots = self._running_slot_array()
+        last = seats.last_scheduled_step[slots]
         if self.policy in ("paged", "static"):
-            inside = [r for r in candidates if r.in_block]
-            if inside:
-                candidates, barrier = inside, False
-        candidates.sort(key=lambda r: r.last_scheduled_step)  # stable: arrival order among equals
+            inside = ((seats.num_cached_blocks[slots] == seats.active_block[slots])
+                      & (seats.forwards_in_block[slots] > 0))
+            if inside.any():
+                candidates = inside.nonzero()[0]
+                return candidates[np.argsort(last[candidates], kind="stable")], False
+        return np.argsort(last, kind="stable"), True
+
+    def _place_running(self, total_blocks: int):
+        """Rows for the running requests, vectorised: each takes its uncached blocks plus the active
+        block in order until the budget ends (the next row gets what is left, without decoding).
+        None when their new pages do not fit: then `_place_running_one_by_one` preempts."""
+        seats = self.seats
+        candidates, barrier = self._candidates()
+        slots = self._running_slot_array()[candidates]
+        first = seats.num_cached_blocks[slots]
+        uncached = seats.active_block[slots] - first
+        need = uncached + 1
+        taken = need.cumsum()
+        fit = int(taken.searchsorted(total_blocks, side="right"))  # rows whose whole need fits
+        left = total_blocks - (int(taken[fit - 1]) if fit else 0)
+        num, decodes = need[:fit], np.ones(fit, dtype=bool)
+        single = fit == slots.shape[0] and (not fit or int(taken[-1]) == fit)  # every need is 1
+        if fit < slots.shape[0]:
+            if left > 0:  # a chunk of its uncached blocks (uncached >= left here)
+                fit += 1
+                num, decodes = np.append(num, min(int(uncached[fit - 1]), left)), np.append(decodes, False)
+            slots, first, candidates = slots[:fit], first[:fit], candidates[:fit]
+        manager = self.block_manager
+        total_missing = 0  # a dense seat holds its whole slot from admission on
+        if manager.layout != "dense":
+            missing = np.maximum(first + num - manager.seat_num_pages[slots], 0)
+            total_missing = int(missing.sum())
+        if total_missing > manager.num_free_pages:
+            return None
+        requests = [self.running[i] for i in candidates.tolist()]
+        if total_missing:
+            for i in missing.nonzero()[0].tolist():  # in row order: the pages the sequential rule gives
+                manager.allocate(requests[i], int(first[i] + num[i]))
+        return requests, slots, first, num, decodes, barrier, single
+
+    def _place_running_one_by_one(self, total_blocks: int):
+        """The same rows, one at a time, preempting the newest running requests while pages run out."""
+        candidates, barrier = self._candidates()
+        ordered = [self.running[i] for i in candidates.tolist()]
         rows: list[ScheduledRow] = []
         used = 0
-        for request in candidates:
+        for request in ordered:
             if request.state is RequestState.WAITING:  # preempted while placing an earlier row
                 continue
             placed = len(rows)
@@ -201,27 +375,8 @@ class Scheduler:
             if row is not None:
                 rows.append(row)
                 used += row.num_blocks
-        budget_blocks = total_blocks - used
-        admit = barrier and (self.policy != "static" or not self.running)
-        while admit and self.waiting and len(self.running) < self.max_num_seqs and budget_blocks > 0:
-            request = self.waiting[0]
-            hits = self.block_manager.match(request)  # leading final blocks whose K/V is cached
-            row = self._row_for(request, budget_blocks, first_block=len(hits))
-            if not self.block_manager.can_allocate(request, row.first_block + row.num_blocks, hits):
-                break  # FIFO: no overtaking; pages come back as running requests finish
-            self.waiting.popleft()
-            self.block_manager.allocate(request, row.first_block + row.num_blocks, hits)
-            request.num_cached_blocks = len(hits)
-            if not request.stats.preemptions:  # OpenAI's cached_tokens: prompt tokens served from the cache
-                request.stats.cached_tokens = len(hits) * self.block_length
-            request.slot = self.free_slots.pop()
-            request.state = RequestState.PREFILLING
-            self.running.append(request)
-            rows.append(row)
-            budget_blocks -= row.num_blocks
-        for row in rows:
-            row.request.last_scheduled_step = self.num_steps
-        return ScheduledBatch(rows, self.block_length)
+        batch = ScheduledBatch.of_rows(rows, self.block_length)
+        return batch.requests, batch.slots, batch.first_block, batch.num_blocks, batch.decodes, barrier, False
 
     def _row_for(self, request: Request, budget_blocks: int, first_block: Optional[int] = None) -> ScheduledRow:
         first = request.num_cached_blocks if first_block is None else first_block

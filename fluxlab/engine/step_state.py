@@ -50,9 +50,11 @@ class StepState:
         if not stale:
             return
         floats = np.array([[getattr(r.params, k) for k in self.float_knobs] for r in stale], dtype=np.float32)
+        states = [r.decoder_state for r in stale]  # one read each: a seated request builds it from its seat
         ints = np.array([[getattr(r.params, k) for k in self.int_knobs]
                          + [self.decoder_index[r.params.decoder], r.prompt_positions_in_active_block()]
-                         + [r.decoder_state.get(s, 0) for s in self.state_names] for r in stale], dtype=np.int64)
+                         + [state.get(s, 0) for s in self.state_names] for r, state in zip(stale, states)],
+                        dtype=np.int64)
         slots = torch.tensor([r.slot for r in stale], dtype=torch.long).to(self.device, non_blocking=True)
         self.floats.index_copy_(0, slots, torch.from_numpy(floats).to(self.device, non_blocking=True))
         self.ints.index_copy_(0, slots, torch.from_numpy(ints).to(self.device, non_blocking=True))
@@ -60,9 +62,10 @@ class StepState:
             bl = self.columns.shape[2]
             columns = np.zeros((len(stale), len(self.column_names), bl), dtype=np.int64)
             for i, r in enumerate(stale):
+                held = r.decoder_columns
                 for j, name in enumerate(self.column_names):
-                    if name in r.decoder_columns:
-                        columns[i, j] = r.decoder_columns[name]
+                    if name in held:
+                        columns[i, j] = held[name]
             self.columns.index_copy_(0, slots, torch.from_numpy(columns).to(self.device, non_blocking=True))
         for r in stale:
             # rows past a seat's log length are never read, so only logged rows need writing

@@ -7,6 +7,7 @@ written to its page before attention (the same contract as the sdpa backend).
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -20,12 +21,14 @@ WORKSPACE_BYTES = 256 * 2**20
 def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host CSR arrays for FlashInfer: one segment per query block, kv = pages 0..block."""
-    windows = np.concatenate([np.arange(first + 1, first + n + 1) for first, n, _ in meta_rows])
-    kv_indptr = np.zeros(windows.shape[0] + 1, dtype=np.int32)
+    windows = [w for first, n, _ in meta_rows for w in range(first + 1, first + n + 1)]
+    kv_indptr = np.zeros(len(windows) + 1, dtype=np.int32)
     np.cumsum(windows, out=kv_indptr[1:])
-    kv_indices = np.concatenate([np.asarray(pages[:w], dtype=np.int32)
-                                 for first, n, pages in meta_rows for w in range(first + 1, first + n + 1)])
-    qo_indptr = np.arange(windows.shape[0] + 1, dtype=np.int32) * block_length
+    # One pass over the page lists (an array per segment cost ~2x more host time at 64 rows).
+    kv_indices = np.fromiter(chain.from_iterable(pages[:w] for first, n, pages in meta_rows
+                                                 for w in range(first + 1, first + n + 1)),
+                             dtype=np.int32, count=int(kv_indptr[-1]))
+    qo_indptr = np.arange(len(windows) + 1, dtype=np.int32) * block_length
     return qo_indptr, kv_indptr, kv_indices
 
 
