@@ -80,8 +80,8 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
         request.num_cached_blocks = request.active_block  # the prompt's K/V counts as cached
         decode_rows.append(ScheduledRow(request, request.active_block, 1, True))
         commit_rows.append(ScheduledRow(request, request.active_block, 1, False))
-    decode = ScheduledBatch(decode_rows, L)
-    commit = ScheduledBatch(commit_rows, L)
+    decode = ScheduledBatch.of_rows(decode_rows, L)
+    commit = ScheduledBatch.of_rows(commit_rows, L)
 
     def forward_only():
         rows, token_ids, positions, canvas_at, decoding = runner._rows(decode)

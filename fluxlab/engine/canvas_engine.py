@@ -96,7 +96,8 @@ class CanvasEngine(LLMEngine):
         else:
             num_pages = min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // self._page_bytes(), max_pages_useful)
         self.block_manager = BlockManager(num_pages, cfg.engine.kv_cache_layout, pages_per_slot=pages_per_seq,
-                                          enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
+                                          enable_prefix_cache=cfg.scheduler.enable_prefix_cache,
+                                          num_seats=cfg.scheduler.max_num_seqs, max_blocks_per_seq=pages_per_seq)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
@@ -130,7 +131,7 @@ class CanvasEngine(LLMEngine):
             fake.append(ScheduledRow(request, 0, 2, True))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        probe.run(ScheduledBatch(fake, L))
+        probe.run(ScheduledBatch.of_rows(fake, L))
         torch.cuda.synchronize(self.device)
         probe_kv = sum(t.nbytes for t in probe.cache.k + probe.cache.v)
         peak = torch.cuda.max_memory_allocated(self.device) - probe_kv

@@ -41,8 +41,8 @@ class StepInputs:
     rows: list[tuple[int, int, bool, list[int]]]
     logit_index: np.ndarray
     num_greedy: int = 0
-    pages: Optional[np.ndarray] = None  # [num_segments] the page of each query block (None: from rows)
     seats: Optional[list[tuple[int, int]]] = None  # (seat, request serial) per row: TP workers' state keys
+    pages: Optional[np.ndarray] = None  # [num_segments] the page of each query block (None: from rows)
 
     @property
     def num_segments(self) -> int:

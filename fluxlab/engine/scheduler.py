@@ -80,7 +80,9 @@ class ScheduledBatch:
 
     @classmethod
     def of_rows(cls, rows: list[ScheduledRow], block_length: int, seats: Optional[Seats] = None) -> "ScheduledBatch":
-        return cls([r.request for r in rows], np.array([r.request.slot for r in rows], dtype=np.int64),
+        # an unseated request (a probe or a bench building rows by hand) has seat -1
+        slots = [-1 if r.request.slot is None else r.request.slot for r in rows]
+        return cls([r.request for r in rows], np.array(slots, dtype=np.int64),
                    np.array([r.first_block for r in rows], dtype=np.int64),
                    np.array([r.num_blocks for r in rows], dtype=np.int64),
                    np.array([r.decodes for r in rows], dtype=bool), block_length, seats)
@@ -200,8 +202,9 @@ class Scheduler:
         seats.forwards_in_block[seat] += 1
         if out.state_matrix is not None:
             seats.state[seat] = out.state_matrix
-        elif seats.state_names:
-            seats.state[seat] = np.stack([out.state[n] for n in seats.state_names], axis=1)
+        elif seats.state_names:  # a runner that reports only its decoders' state (the canvas runner: none)
+            none = np.zeros(len(seat), dtype=np.int64)
+            seats.state[seat] = np.stack([out.state.get(n, none) for n in seats.state_names], axis=1)
         for name, values in out.columns.items():
             seats.columns[seat, seats.column_names.index(name)] = values
         requests = batch.requests

@@ -55,6 +55,14 @@ class DataParallelPages:
 
     # --- the BlockManager interface the scheduler and the engine use ---
     @property
+    def seat_pages(self):
+        return self.managers[0].seat_pages  # shared by every rank's pool (engine._spread_over_ranks)
+
+    @property
+    def seat_num_pages(self):
+        return self.managers[0].seat_num_pages
+
+    @property
     def num_pages(self) -> int:
         return sum(m.num_pages for m in self.managers)
 
@@ -133,7 +141,7 @@ def split_by_rank(inputs: StepInputs, pages_per_rank: int, world: int, block_len
         seats = None if inputs.seats is None else [inputs.seats[i] for i in chosen]
         part = StepInputs(inputs.token_ids[mine], inputs.positions[mine], [rows[i] for i in chosen],
                           np.concatenate([local_index[greedy[greedy_at]], local_index[others[others_at]]]),
-                          int(greedy_at.shape[0]), seats)
+                          int(greedy_at.shape[0]), seats=seats)
         parts.append(RankPart(part, greedy_at, others_at))
     return parts
 

@@ -141,6 +141,10 @@ class ParallelEngine(RankEngine):
         managers = [BlockManager(pages, c.engine.kv_cache_layout, pages_per_slot=self.max_model_len // self.block_length,
                                  enable_prefix_cache=c.scheduler.enable_prefix_cache, first_page=rank * pages)
                     for rank in range(self.tp_size)]
+        # A seat's request lives on one rank: every rank's pool writes the one page-table mirror the
+        # scheduler's seats were built over.
+        for manager in managers:
+            manager.seat_pages, manager.seat_num_pages = self.block_manager.seat_pages, self.block_manager.seat_num_pages
         self.block_manager = self.scheduler.block_manager = DataParallelPages(managers, pages)
         self.runner.channels, self.runner.pages_per_rank, self.runner.world = self._channels, pages, self.tp_size
 
