@@ -77,6 +77,8 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
         request.params = SamplingParams(max_new_tokens=2 * L, seed=r, temperature=0.0)
         first = r * (prompt_pages + 2)
         request.page_table = list(range(first, first + prompt_pages + 2))
+        ring = runner.ring_size  # the sliding layers' ring of this seat (canvas_pages.py)
+        request.sliding_pages = list(range(r * ring, r * ring + min(ring, len(request.page_table))))
         request.num_cached_blocks = request.active_block  # the prompt's K/V counts as cached
         decode_rows.append(ScheduledRow(request, request.active_block, 1, True))
         commit_rows.append(ScheduledRow(request, request.active_block, 1, False))
@@ -84,7 +86,7 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
     commit = ScheduledBatch.of_rows(commit_rows, L)
 
     def forward_only():
-        rows, token_ids, positions, canvas_at, decoding = runner._rows(decode)
+        rows, token_ids, positions, canvas_at, decoding, _ = runner._rows(decode)
         ids = torch.from_numpy(token_ids).to(runner.device)
         pos = torch.from_numpy(positions).to(runner.device)
         is_canvas = torch.ones(len(token_ids), dtype=torch.bool, device=runner.device)

@@ -92,6 +92,10 @@ def _check_canvas_engine(cfg: DictConfig) -> None:
         _check(not attn[key], f"attention.{key}=true: model={name} (Diffusion-Gemma) has no CUDA graphs in this build")
     _check(eng.moe_backend == "auto", f"engine.moe_backend={eng.moe_backend}: model={name} (Diffusion-Gemma) picks "
                                       "its experts' kernel itself (grouped GEMM on CUDA bf16); leave it at auto")
+    _check(not cfg.scheduler.enable_prefix_cache,
+           f"scheduler.enable_prefix_cache=true: model={name} (Diffusion-Gemma) keeps only the sliding window's "
+           "pages of its sliding layers (fluxlab/engine/canvas_pages.py), so a cached block's sliding K/V is gone "
+           "when its request ends; set scheduler.enable_prefix_cache=false (the model group's default)")
     _check(par.tp_size == 1 and par.ep_size == 1,
            f"parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: model={name} (Diffusion-Gemma) runs on "
            "one device in this build (parallel.dp_size replicas work)")

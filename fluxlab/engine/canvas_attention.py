@@ -1,18 +1,18 @@
 """Paged attention for Diffusion-Gemma's mixed forward: encoder tokens write K/V, canvas tokens read.
 
-Pages are per layer, each layer with its own K/V shape (sliding layers: head_dim / KV heads of the
-text config; full layers: global_head_dim / num_global_key_value_heads); a page holds one canvas
-(page size = canvas length) of every layer. A row of a forward is one request's encoder tokens
-(prompt chunk or committed canvas, causal) then maybe its canvas (bidirectional over the cached
-prefix + itself, no K/V written). Per layer: the encoder tokens' K/V go to their pages first, then
-each row attends over its cached keys plus its own canvas keys, which come straight from this
-forward. Masks, the same for every layer of a type (what DenseCanvasAttention computes):
+Two page pools (canvas_pages.py): full-attention layers keep a page per canvas (global_head_dim /
+num_global_key_value_heads); sliding layers (head_dim / KV heads of the text config) keep a ring of
+ceil(window / L) + 1 pages per request. A row of a forward is one request's encoder tokens (prompt
+chunk or committed canvas, causal) then maybe its canvas (bidirectional over the cached prefix +
+itself, no K/V written). Masks, the same for every layer of a type (what DenseCanvasAttention computes):
 - encoder query at p: keys at positions <= p; sliding layers only the last `window` of them;
 - canvas query: every prefix key and the whole canvas; sliding layers only the last window - 1
   prefix keys (what transformers' DynamicSlidingWindowLayer keeps).
-Sliding layers gather only the positions some query of the row can see, so their pages older than
-the window are never read (tests/test_canvas_engine.py poisons them); they are still held: every
-page of a request holds every layer (freeing sliding layers' old pages needs a second page pool).
+Full layers write their encoder K/V to their pages, then gather every prefix key. Sliding layers
+gather first: keys written by an earlier forward from the ring, this forward's encoder keys (and
+the canvas) straight from the forward; then they write only the blocks a later query can see, so
+a ring slot is reused only once no query reads its old block (a failed step's clobbered slots are
+put back by the runner: `CanvasKVCache.save_sliding`).
 """
 from __future__ import annotations
 
@@ -24,38 +24,59 @@ import torch.nn.functional as F
 
 
 class CanvasKVCache:
-    """K and V pools per layer: [num_pages * page_size, kv_heads_l, head_dim_l] (flat slots)."""
+    """K and V pools per layer: [pages * page_size, kv_heads_l, head_dim_l] (flat slots), `num_pages`
+    pages for full layers, `num_sliding_pages` for sliding ones."""
 
-    def __init__(self, shapes: list[tuple[int, int]], num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, shapes: list[tuple[int, int]], layer_is_sliding: list[bool], num_pages: int,
+                 num_sliding_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
         self.page_size = page_size
-        self.k = [torch.zeros(num_pages * page_size, h, d, dtype=dtype, device=device) for h, d in shapes]
-        self.v = [torch.zeros(num_pages * page_size, h, d, dtype=dtype, device=device) for h, d in shapes]
+        self.layer_is_sliding = layer_is_sliding
+        sizes = [(num_sliding_pages if s else num_pages) * page_size for s in layer_is_sliding]
+        self.k = [torch.zeros(n, h, d, dtype=dtype, device=device) for n, (h, d) in zip(sizes, shapes)]
+        self.v = [torch.zeros(n, h, d, dtype=dtype, device=device) for n, (h, d) in zip(sizes, shapes)]
 
     @staticmethod
-    def bytes_per_page(shapes: list[tuple[int, int]], page_size: int, dtype: torch.dtype) -> int:
-        return 2 * page_size * sum(h * d for h, d in shapes) * torch.finfo(dtype).bits // 8
+    def bytes_per_page(shapes: list[tuple[int, int]], layer_is_sliding: list[bool], sliding: bool, page_size: int,
+                       dtype: torch.dtype) -> int:
+        """Bytes of one page of the full (sliding=False) or the sliding pool, K and V of its layers."""
+        per_token = sum(h * d for (h, d), s in zip(shapes, layer_is_sliding) if s == sliding)
+        return 2 * page_size * per_token * torch.finfo(dtype).bits // 8
+
+    def save_sliding(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of these sliding slots of every sliding layer (restore_sliding puts them back)."""
+        return [(self.k[i][slots].clone(), self.v[i][slots].clone()) if s else None
+                for i, s in enumerate(self.layer_is_sliding)] if slots.numel() else []
+
+    def restore_sliding(self, slots: torch.Tensor, saved: list) -> None:
+        for i, kv in enumerate(saved):
+            if kv is not None:
+                self.k[i][slots], self.v[i][slots] = kv
 
 
 @dataclass
 class CanvasRow:
     """One request's part of a forward, in absolute positions (the runner's host view)."""
 
-    key_slots: np.ndarray  # [K] cache slots of positions 0..K-1 (cached + this forward's encoder tokens)
+    key_slots: np.ndarray  # [K] full-pool slots of positions 0..K-1 (cached + this forward's encoder tokens)
     encoder_tokens: np.ndarray  # flat token indices of its encoder tokens (positions K - len .. K-1)
     canvas_tokens: np.ndarray  # flat token indices of its canvas (positions K .. K+L-1), or empty
+    sliding_slots: np.ndarray  # [K] sliding-pool slots of positions 0..K-1 (only those in the ring mean anything)
+    sliding_writes: np.ndarray  # indices into encoder_tokens whose K/V the sliding ring stores
 
 
 @dataclass
 class CanvasAttentionMetadata:
-    write_slots: torch.Tensor  # [Te] slots of every encoder token
-    write_tokens: torch.Tensor  # [Te] their flat token indices
+    full_write_slots: torch.Tensor  # [Te] full-pool slots of every encoder token
+    full_write_tokens: torch.Tensor  # [Te] their flat token indices
+    write_slots: torch.Tensor  # sliding-pool slots the sliding layers write (a later query sees them)
+    write_tokens: torch.Tensor  # their flat token indices
+    fresh_keys: torch.Tensor  # [R, K_sliding] flat token index of a sliding prefix key from this forward, -1: cached
     canvas_gather: torch.Tensor  # [R, L] flat token index of each row's canvas keys (0 where none)
     query_gather: torch.Tensor  # [R, Q] flat token index of each row's queries (0 = padding)
     query_scatter: torch.Tensor  # [T] index of each flat token in the padded [R * Q] queries
-    # per layer type (sliding?): padded cache slots of each row's prefix keys [R, K_t] and the mask
-    # [R, 1, Q, K_t + L] (True = may attend). Sliding layers gather only the keys some query of the
-    # row can see, so their older pages are never read.
+    # per layer type (sliding?): padded cache slots of each row's prefix keys [R, K_t] (in that
+    # type's pool) and the mask [R, 1, Q, K_t + L] (True = may attend). Sliding layers gather only
+    # the keys some query of the row can see.
     key_slots: dict[bool, torch.Tensor]
     masks: dict[bool, torch.Tensor]
 
@@ -79,8 +100,14 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
         max_k = max(int((num_keys - first[sliding]).max()), 1)
         slots = np.zeros((num_rows, max_k), dtype=np.int64)
         for i, (row, lo) in enumerate(zip(rows, first[sliding])):
-            slots[i, :len(row.key_slots) - lo] = row.key_slots[lo:]
+            slots[i, :len(row.key_slots) - lo] = (row.sliding_slots if sliding else row.key_slots)[lo:]
         key_slots[sliding] = slots
+    fresh = np.full(key_slots[True].shape, -1, dtype=np.int64)
+    for i, (row, lo) in enumerate(zip(rows, first[True])):
+        start = num_keys[i] - num_encoder[i] - lo  # this forward's encoder keys, in the row's sliding keys
+        if num_encoder[i]:
+            fresh[i, max(start, 0):start + num_encoder[i]] = row.encoder_tokens[max(-start, 0):]
+        key_slots[True][i, max(start, 0):start + num_encoder[i]] = 0  # any valid slot: not read
     canvas_gather = np.zeros((num_rows, L), dtype=np.int64)
     query_gather = np.zeros((num_rows, max_q), dtype=np.int64)
     scatter = []
@@ -90,8 +117,11 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
             canvas_gather[i] = row.canvas_tokens
         query_gather[i, :len(q)] = q
         scatter.append(i * max_q + np.arange(len(q)))
-    write_slots = np.concatenate([r.key_slots[len(r.key_slots) - len(r.encoder_tokens):] for r in rows])
-    write_tokens = np.concatenate([r.encoder_tokens for r in rows])
+    full_write_slots = np.concatenate([r.key_slots[len(r.key_slots) - len(r.encoder_tokens):] for r in rows])
+    full_write_tokens = np.concatenate([r.encoder_tokens for r in rows])
+    write_slots = np.concatenate([r.sliding_slots[len(r.key_slots) - len(r.encoder_tokens):][r.sliding_writes]
+                                  for r in rows])
+    write_tokens = np.concatenate([r.encoder_tokens[r.sliding_writes] for r in rows])
 
     def dev(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
@@ -99,8 +129,9 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
     per_row = dev(np.stack([num_keys, num_encoder, num_queries, first[True]]))
     masks = {sliding: _masks(per_row, key_slots[sliding].shape[1], max_q, L, window, sliding)
              for sliding in (False, True)}
-    return CanvasAttentionMetadata(dev(write_slots), dev(write_tokens), dev(canvas_gather), dev(query_gather),
-                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()}, masks)
+    return CanvasAttentionMetadata(dev(full_write_slots), dev(full_write_tokens), dev(write_slots), dev(write_tokens),
+                                   dev(fresh), dev(canvas_gather), dev(query_gather), dev(np.concatenate(scatter)),
+                                   {s: dev(a) for s, a in key_slots.items()}, masks)
 
 
 def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
@@ -142,13 +173,23 @@ class PagedCanvasAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         cache_k, cache_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        if meta.write_slots.numel():
-            cache_k[meta.write_slots] = k[meta.write_tokens]
-            cache_v[meta.write_slots] = v[meta.write_tokens]
         sliding = self.layer_is_sliding[layer_idx]
         slots = meta.key_slots[sliding]
-        keys = torch.cat([cache_k[slots], k[meta.canvas_gather]], dim=1)  # [R, K + L, Hkv, D]
-        values = torch.cat([cache_v[slots], v[meta.canvas_gather]], dim=1)
+        if sliding:  # read first: this forward's writes may reuse a ring slot it reads
+            fresh = (meta.fresh_keys >= 0)[..., None, None]
+            index = meta.fresh_keys.clamp(min=0)
+            prefix_k = torch.where(fresh, k[index], cache_k[slots])
+            prefix_v = torch.where(fresh, v[index], cache_v[slots])
+            if meta.write_slots.numel():
+                cache_k[meta.write_slots] = k[meta.write_tokens]
+                cache_v[meta.write_slots] = v[meta.write_tokens]
+        else:
+            if meta.full_write_slots.numel():
+                cache_k[meta.full_write_slots] = k[meta.full_write_tokens]
+                cache_v[meta.full_write_slots] = v[meta.full_write_tokens]
+            prefix_k, prefix_v = cache_k[slots], cache_v[slots]
+        keys = torch.cat([prefix_k, k[meta.canvas_gather]], dim=1)  # [R, K + L, Hkv, D]
+        values = torch.cat([prefix_v, v[meta.canvas_gather]], dim=1)
         queries = q[meta.query_gather]  # [R, Q, H, D]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

@@ -1,8 +1,9 @@
 """The engine for Diffusion-Gemma: LLMEngine's loop and scheduler, canvas requests and runner.
 
 A canvas is a block (page size = canvas length, decoding.block_length = decoding.canvas_length),
-so `LLMEngine.step()`, the paged/dynamic/static policies, preemption and the prefix cache run
-unchanged; what differs is the request geometry (canvas_request.py), the model and its runner
+so `LLMEngine.step()`, the paged/dynamic/static policies and preemption run unchanged; what
+differs is the KV pages (canvas_pages.py: sliding layers keep a ring of their window's pages, so
+no prefix cache), is the request geometry (canvas_request.py), the model and its runner
 (canvas_runner.py) and the per-request canvas knobs, whose unset values are the checkpoint's
 generation_config.json.
 """
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.canvas_attention import CanvasKVCache
+from fluxlab.engine.canvas_pages import CanvasBlockManager, sliding_ring_size
 from fluxlab.engine.canvas_request import CanvasRequest
 from fluxlab.engine.canvas_runner import CanvasRunner, kv_shapes
 from fluxlab.engine.decoding.canvas import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
@@ -89,45 +90,53 @@ class CanvasEngine(LLMEngine):
         # a prompt's left padding (canvas_request.py) can take one page more than max_model_len / L
         pages_per_seq = self.max_model_len // self.block_length + 1
         max_pages_useful = cfg.scheduler.max_num_seqs * pages_per_seq
+        # sliding layers: a fixed ring per seat, taken from the budget before the full-layer pages
+        self.ring_size = min(sliding_ring_size(self.model.sliding_window, self.block_length), pages_per_seq)
+        sliding_bytes = cfg.scheduler.max_num_seqs * self.ring_size * self._page_bytes(sliding=True)
         if cfg.scheduler.num_device_pages > 0:
             num_pages = cfg.scheduler.num_device_pages
         elif self.device.type == "cuda":
-            num_pages = min(self._profile_canvas_pages(), max_pages_useful)
+            num_pages = min(self._profile_canvas_pages(sliding_bytes), max_pages_useful)
         else:
-            num_pages = min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // self._page_bytes(), max_pages_useful)
-        self.block_manager = BlockManager(num_pages, cfg.engine.kv_cache_layout, pages_per_slot=pages_per_seq,
-                                          enable_prefix_cache=cfg.scheduler.enable_prefix_cache,
-                                          num_seats=cfg.scheduler.max_num_seqs, max_blocks_per_seq=pages_per_seq)
+            budget = int(cfg.engine.cpu_kv_cache_gb * 2**30) - sliding_bytes
+            num_pages = min(max(budget, 0) // self._page_bytes(sliding=False), max_pages_useful)
+        self.block_manager = CanvasBlockManager(num_pages, cfg.engine.kv_cache_layout, pages_per_seq,
+                                                cfg.scheduler.max_num_seqs, pages_per_seq, self.ring_size,
+                                                enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
-        self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_length, self.device,
-                                   self.dtype)
+        self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
+                                   self.ring_size, self.block_length, self.device, self.dtype)
         self.requests = {}
         self._pending = []
         self.total_forwards = 0
         self.total_generated_tokens = 0
         self.total_step_seconds = 0.0
-        log.info("engine ready: %s on %s (%s), %d KV pages of one %d-token canvas, policy=%s", cfg.model.name,
-                 self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length, cfg.scheduler.policy)
+        log.info("engine ready: %s on %s (%s), %d full-layer KV pages of one %d-token canvas, %d sliding-layer "
+                 "pages (%d a request), policy=%s", cfg.model.name, self.device, cfg.engine.dtype,
+                 self.block_manager.num_pages, self.block_length, self.block_manager.num_sliding_pages,
+                 self.ring_size, cfg.scheduler.policy)
 
-    def _page_bytes(self) -> int:
-        return CanvasKVCache.bytes_per_page(self.kv_shapes, self.block_length, self.dtype)
+    def _page_bytes(self, sliding: bool) -> int:
+        return CanvasKVCache.bytes_per_page(self.kv_shapes, self.model.layer_is_sliding, sliding, self.block_length,
+                                            self.dtype)
 
-    def _profile_canvas_pages(self) -> int:
+    def _profile_canvas_pages(self, sliding_bytes: int) -> int:
         """Pages in (gpu_memory_utilization - safety reserve) of the card after the weights and a
         canvas step at max_num_seqs rows (its logits dominate: rows x canvas x vocab in fp32)."""
         from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
 
         eng, L = self.cfg.engine, self.block_length
         rows = self.cfg.scheduler.max_num_seqs
-        probe = CanvasRunner(self.model, 2 * rows, L, self.device, self.dtype)
+        probe = CanvasRunner(self.model, 2 * rows, 2 * rows, self.ring_size, L, self.device, self.dtype)
         knobs = CanvasKnobs(**self.generation_defaults)
         fake = []
         for r in range(rows):
             request = CanvasRequest(f"probe-{r}", [0] * L, SamplingParams(max_new_tokens=L, seed=0), L, (), knobs)
             request.params = SamplingParams(max_new_tokens=L, seed=0)
             request.page_table = [2 * r, 2 * r + 1]
+            request.sliding_pages = [2 * r, 2 * r + 1]
             fake.append(ScheduledRow(request, 0, 2, True))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -138,8 +147,8 @@ class CanvasEngine(LLMEngine):
         del probe, fake
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(self.device)
-        budget = total * (eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve) - peak
-        pages = int(budget // self._page_bytes())
+        budget = total * (eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve) - peak - sliding_bytes
+        pages = int(budget // self._page_bytes(sliding=False))
         if pages < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache: weights + a canvas step take {peak / 2**30:.1f} "
                                "GiB; raise engine.gpu_memory_utilization or lower scheduler.max_num_seqs")

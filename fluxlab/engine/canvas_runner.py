@@ -11,11 +11,12 @@ TPF: `filled` is 0 on a denoising step and, on the final one, the tokens that ca
 output (cut at max_new_tokens, EOS included), so tokens_accepted / forwards is transformers'
 tokens_per_forward (accepted tokens per denoiser forward).
 
-Memory: every layer keeps a page per canvas; sliding layers read only their last window of
-positions but hold all pages (freeing their old pages needs a second page pool; not done).
+Memory: full-attention layers keep a page per canvas (request.page_table); sliding layers a ring
+of `ring_size` pages (request.sliding_pages, canvas_pages.py), block b on ring[b % ring_size].
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -35,13 +36,19 @@ def kv_shapes(text_config) -> list[tuple[int, int]]:
 
 
 class CanvasRunner:
-    def __init__(self, model, num_pages: int, canvas_length: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, num_pages: int, num_sliding_pages: int, ring_size: int, canvas_length: int,
+                 device: torch.device, dtype: torch.dtype):
         self.model = model
         self.block_length = canvas_length
         self.device = device
         self.dtype = dtype
         self.vocab_size = model.embed_tokens.num_embeddings
-        self.cache = CanvasKVCache(kv_shapes(model.config), num_pages, canvas_length, dtype, device)
+        self.ring_size = ring_size
+        # blocks before the one being written that a later sliding query can still see
+        self.window_blocks = math.ceil((model.sliding_window - 1) / canvas_length)
+        self.cache = CanvasKVCache(kv_shapes(model.config), model.layer_is_sliding, num_pages, num_sliding_pages,
+                                   canvas_length, dtype, device)
+        self._sliding_backup = None  # (slots, copies) a failed step puts back
         self.attention = PagedCanvasAttention(self.cache, model.layer_is_sliding)
         self.num_graph_forwards = 0
         self.num_eager_forwards = 0
@@ -52,17 +59,26 @@ class CanvasRunner:
 
     # --- host side ---
     def _rows(self, batch: ScheduledBatch):
-        L = self.block_length
-        rows, token_ids, positions, canvas_at, decoding = [], [], [], [], []
+        L, window = self.block_length, self.model.sliding_window
+        rows, token_ids, positions, canvas_at, decoding, at_risk = [], [], [], [], [], []
         offset = 0
         for row in batch.rows:
             request: CanvasRequest = row.request
             table = np.asarray(request.page_table, dtype=np.int64)
+            ring = np.asarray(request.sliding_pages, dtype=np.int64)
             enc_start = max(row.first_block * L, request.num_pad)
             enc_end = (row.first_block + row.num_commit_blocks) * L
             ids = request.tokens[enc_start:enc_end]
             index = np.arange(request.num_pad, enc_end)
             key_slots = table[index // L] * L + index % L
+            sliding_slots = ring[index // L % self.ring_size] * L + index % L if len(index) else index
+            # the ring stores the blocks a later query sees: from enc_end / L - window_blocks on
+            sliding_writes = np.flatnonzero(np.arange(enc_start, enc_end) >= enc_end - self.window_blocks * L)
+            if len(ids):  # a chunk of several blocks may reuse slots it reads: a failed step puts them back
+                first_read = max(0, enc_start - request.num_pad - (window - 1))
+                read = sliding_slots[first_read:enc_start - request.num_pad]
+                written = sliding_slots[enc_start - request.num_pad:][sliding_writes]
+                at_risk.append(np.intersect1d(read, written))
             encoder_tokens = offset + np.arange(len(ids))
             token_ids.append(ids)
             positions.append(np.arange(enc_start, enc_end) - request.num_pad)
@@ -76,8 +92,9 @@ class CanvasRunner:
                 positions.append(np.arange(start, start + L))
                 decoding.append(request)
                 offset += L
-            rows.append(CanvasRow(key_slots, encoder_tokens, canvas_tokens))
-        return rows, np.concatenate(token_ids), np.concatenate(positions), canvas_at, decoding
+            rows.append(CanvasRow(key_slots, encoder_tokens, canvas_tokens, sliding_slots, sliding_writes))
+        at_risk = np.concatenate(at_risk) if at_risk else np.zeros(0, dtype=np.int64)
+        return rows, np.concatenate(token_ids), np.concatenate(positions), canvas_at, decoding, at_risk
 
     def _state(self, request: CanvasRequest) -> CanvasState:
         if request.canvas is None:
@@ -95,9 +112,12 @@ class CanvasRunner:
         generator) as it was, so the engine's retry of each row alone draws the same numbers."""
         decoding = [row.request for row in batch.rows if row.decodes]
         saved = [(r, r.canvas.snapshot() if r.canvas is not None else None) for r in decoding]
+        self._sliding_backup = None
         try:
             return self._run(batch)
         except BaseException:
+            if self._sliding_backup is not None:
+                self.cache.restore_sliding(*self._sliding_backup)
             for request, snapshot in saved:
                 if snapshot is None:
                     request.canvas = None
@@ -108,7 +128,10 @@ class CanvasRunner:
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
         L = self.block_length
-        rows, token_ids, positions, canvas_at, decoding = self._rows(batch)
+        rows, token_ids, positions, canvas_at, decoding, at_risk = self._rows(batch)
+        if at_risk.size:
+            slots = torch.from_numpy(at_risk).to(self.device)
+            self._sliding_backup = (slots, self.cache.save_sliding(slots))
         states = [self._state(r) for r in decoding]
         ids = torch.from_numpy(token_ids.astype(np.int64)).to(self.device)
         pos = torch.from_numpy(positions.astype(np.int64)).to(self.device)
