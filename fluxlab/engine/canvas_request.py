@@ -29,4 +29,4 @@ class CanvasRequest(Request):
         self.num_pad = num_pad
         self.knobs = knobs
         self.canvas: Optional[CanvasState] = None  # created on the device by the canvas runner
-        self.sliding_pages: list[int] = []X
+        self.sliding_pages: list[int] = []  # sliding layers' ring (canvas_pages.py): block b on [b % len]
