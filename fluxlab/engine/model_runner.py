@@ -84,6 +84,7 @@ class ModelRunner:
                              dtype, device)
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
+        self._flashinfer_workspace = None  # one for every FlashInfer wrapper (eager and graphs)
         self.attention = self._make_backend(backend)
         self.step_state = StepState(max_num_seqs, device, block_length)
         self.graphs = None  # GraphRunner once captured
@@ -103,12 +104,15 @@ class ModelRunner:
         if backend == "sdpa":
             return SdpaAttention(self.cache)
         if backend == "flashinfer":
-            from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
+            from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention, SharedWorkspace
 
+            if self._flashinfer_workspace is None:
+                self._flashinfer_workspace = SharedWorkspace(self.device)
             return FlashInferAttention(self.cache, self.model.config, self.device,
                                        num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                        graph_segments=graph_segments,
-                                       graph_max_pages=graph_segments * self.max_blocks_per_seq)
+                                       graph_max_pages=graph_segments * self.max_blocks_per_seq,
+                                       workspace=self._flashinfer_workspace)
         if backend == "fa4":
             from fluxlab.engine.layers.attention_fa4 import Fa4Attention
 
