@@ -346,12 +346,15 @@ def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkey
             if not memo:
                 m.setattr(Scheduler, "_repeat", property(lambda self: None, lambda self, value: None), raising=False)
             results = llm.generate(prompts(llm, [5, 18, 33, 9], seed=21), [SamplingParams(max_new_tokens=40)] * 4)
-        return [r.token_ids for r in results], batches, sum(reused)
+        return [r.token_ids for r in results], batches, sum(reused), reused
 
     with_memo, without_memo = run(True), run(False)
     assert with_memo[2] > 0 and without_memo[2] == 0  # the memo was used, and only in the first run
     assert with_memo[0] == without_memo[0]
     assert with_memo[1] == without_memo[1]
+    # the memo also follows a step of commit + decode rows (the block after a commit, alone)
+    batches, reused = with_memo[1], with_memo[3]
+    assert any(reused[i + 1] and max(batches[i][2]) == 2 and all(batches[i][3]) for i in range(len(batches) - 1))
 
 
 def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm, monkeypatch):

@@ -354,7 +354,7 @@ class LLMEngine:
             return outputs
         started = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.rows:
+        if not batch.requests:  # (batch.rows would build a ScheduledRow per row)
             return outputs
         try:
             outputs += self.scheduler.postprocess(batch, self.runner.run(batch))
