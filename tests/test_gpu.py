@@ -85,7 +85,9 @@ def test_graph_replay_gives_the_same_tokens_as_eager(policy):
         graphs = _llm(*base, "attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[1,2,4,8]",
                       f"attention.cuda_graph_decode_mode={mode}")
         runner = graphs.engine.runner
-        assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8, 16]  # 16 = 2 x 8
+        assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8, 12, 16]  # 16 = 2 x 8, 12: step 4
+        # one FlashInfer workspace for the eager backend and every graph (replays interleave sizes below)
+        assert len({id(runner.attention.workspace)} | {id(g.attention.workspace) for g in runner.graphs.graphs.values()}) == 1
         got = [r.token_ids for r in graphs.generate(_prompts(graphs, 7), params)]
         assert got == want, mode
         # every forward here holds at most 16 segments, so none falls back to eager

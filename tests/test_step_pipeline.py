@@ -255,12 +255,42 @@ def test_graph_sizes_cover_decode_commit_and_fdfo_mixes():
         return graph_segment_sizes(cfg)
 
     assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=1024") == \
-        [1, 2, 4, 8, 16, 24, 32]
+        [1, 2, 4, 8, 12, 16, 20, 24, 28, 32]
     # the token budget caps what a forward can hold
-    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=512") == [1, 2, 4, 8, 16]
+    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=512") == [1, 2, 4, 8, 12, 16]
     assert sizes("attention.use_prefill_cuda_graph=true", "scheduler.max_scheduled_tokens=1024",
                  "attention.cuda_graph_capture_sizes=[64,128,256,512,1024]") == [2, 4, 8, 16, 32]
     assert sizes("scheduler.max_scheduled_tokens=1024") == []
+
+
+def test_flashinfer_wrappers_of_a_runner_share_one_workspace(monkeypatch):
+    """Eager and every graph's FlashInfer wrapper get the same float and int workspace (a fake
+    flashinfer module records what the public API receives), each graph its own index buffers."""
+    import sys
+    import types
+
+    from fluxlab.engine.model_runner import ModelRunner
+
+    class FakeWrapper:
+        def __init__(self, float_workspace_buffer, kv_layout, use_cuda_graph=False, **buffers):
+            self.float_buffer, self.buffers, self.int_buffer = float_workspace_buffer, buffers, None
+
+        def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer):
+            self.float_buffer, self.int_buffer = float_workspace_buffer, int_workspace_buffer
+
+    monkeypatch.setitem(sys.modules, "flashinfer",
+                        types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper))
+    config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2)
+    model = types.SimpleNamespace(config=config)
+    runner = ModelRunner(model, num_pages=8, block_length=4, device=torch.device("cpu"), dtype=torch.float32,
+                         backend="flashinfer", max_blocks_per_seq=4, max_num_seqs=2)
+    backends = [runner.attention] + [runner._make_backend("flashinfer", graph_segments=n) for n in (1, 4, 8)]
+    wrappers = [b.wrapper for b in backends]
+    assert len({id(w.float_buffer) for w in wrappers}) == 1 and len({id(w.int_buffer) for w in wrappers}) == 1
+    assert wrappers[0].float_buffer is runner._flashinfer_workspace.float_buffer
+    assert wrappers[0].int_buffer is runner._flashinfer_workspace.int_buffer
+    assert [w.buffers["paged_kv_indptr_buf"].shape[0] for w in wrappers[1:]] == [2, 5, 9]
+    assert len({id(w.buffers["paged_kv_indices_buf"]) for w in wrappers[1:]}) == 3
 
 
 def test_block_routed_model_runs_in_the_engine_and_matches_the_reference():
@@ -316,12 +346,15 @@ def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkey
             if not memo:
                 m.setattr(Scheduler, "_repeat", property(lambda self: None, lambda self, value: None), raising=False)
             results = llm.generate(prompts(llm, [5, 18, 33, 9], seed=21), [SamplingParams(max_new_tokens=40)] * 4)
-        return [r.token_ids for r in results], batches, sum(reused)
+        return [r.token_ids for r in results], batches, sum(reused), reused
 
     with_memo, without_memo = run(True), run(False)
     assert with_memo[2] > 0 and without_memo[2] == 0  # the memo was used, and only in the first run
     assert with_memo[0] == without_memo[0]
     assert with_memo[1] == without_memo[1]
+    # the memo also follows a step of commit + decode rows (the block after a commit, alone)
+    batches, reused = with_memo[1], with_memo[3]
+    assert any(reused[i + 1] and max(batches[i][2]) == 2 and all(batches[i][3]) for i in range(len(batches) - 1))
 
 
 def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm, monkeypatch):

@@ -6,7 +6,7 @@ Replays the served setting of docs/benchmarks.md §7 in a closed loop (C request
 one when one finishes; block 32, steps 8, 256 tokens, the tiny model with the host_step stubs and
 confidences that never pass the threshold, so every step accepts exactly its scheduled k as random
 weights do) and records each forward's segments (query blocks). For the engine's capture ladder
-(`graph_segment_sizes` of that config) and two finer ones it reports the mean padded size of the
+(`graph_segment_sizes` of that config), the multiples-of-8 one it had before and two finer ones it reports the mean padded size of the
 steady forwards: padding segments run the whole model, so they cost what real ones cost.
 """
 from __future__ import annotations
@@ -77,7 +77,8 @@ def main() -> None:
             real = statistics.mean(sum(r) for r in steady)
             rows = statistics.mean(len(r) for r in steady)
             base = {n for b in CAPTURE_BS for n in (b, 2 * b)}
-            ladders = {"engine's": ladder, "multiples of 4": sorted(base | set(range(4, 129, 4))),
+            ladders = {"engine's": ladder, "multiples of 8": sorted(base | set(range(8, 129, 8))),
+                       "multiples of 2": sorted(base | set(range(2, 129, 2))),
                        "every size to 80": sorted(base | set(range(1, 81)) | set(range(8, 129, 8)))}
             for name, sizes in ladders.items():
                 padded = statistics.mean(plan_chunks(r, sizes, "padded")[0][1] for r in steady)

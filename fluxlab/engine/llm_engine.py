@@ -72,18 +72,23 @@ def load_tokenizer(model_dir: Optional[Path], trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
+LADDER_STEP = 4  # decode graph sizes between the batch sizes (graph_segment_sizes)
+
+
 def graph_segment_sizes(cfg: DictConfig) -> list[int]:
     """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
-    row committing and decoding), every multiple of 8 up to the largest of those (FDFO batches mix
-    1- and 2-block rows, so a power-of-two ladder alone would pad 17 blocks to 32), plus
-    cuda_graph_capture_sizes / block_length with prefill graphs; never more than a forward can
-    hold (scheduler.max_scheduled_tokens)."""
+    row committing and decoding), every multiple of LADDER_STEP up to the largest of those (FDFO
+    batches mix 1- and 2-block rows: 16 decode rows and 2 commits are 18 segments, which a ladder of
+    8s pads to 24, one of 4s to 20; bench/graph_padding), plus cuda_graph_capture_sizes /
+    block_length with prefill graphs; never more than a forward can hold
+    (scheduler.max_scheduled_tokens). The graphs share one attention workspace, so a denser
+    ladder costs capture time and little memory."""
     attn, bl = cfg.attention, cfg.decoding.block_length
     limit = cfg.scheduler.max_scheduled_tokens // bl
     sizes = set()
     if attn.use_decode_cuda_graph:
         sizes |= {n for b in attn.cuda_graph_capture_bs for n in (b, 2 * b)}
-        sizes |= set(range(8, max(sizes) + 1, 8))
+        sizes |= set(range(LADDER_STEP, max(sizes) + 1, LADDER_STEP))
     if attn.use_prefill_cuda_graph:
         sizes |= {t // bl for t in attn.cuda_graph_capture_sizes}
     return sorted(n for n in sizes if 1 <= n <= limit)
@@ -349,7 +354,7 @@ class LLMEngine:
             return outputs
         started = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.rows:
+        if not batch.requests:  # (batch.rows would build a ScheduledRow per row)
             return outputs
         try:
             outputs += self.scheduler.postprocess(batch, self.runner.run(batch))

@@ -84,6 +84,7 @@ class ModelRunner:
                              dtype, device)
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
+        self._flashinfer_workspace = None  # one for every FlashInfer wrapper (eager and graphs)
         self.attention = self._make_backend(backend)
         self.step_state = StepState(max_num_seqs, device, block_length)
         self.graphs = None  # GraphRunner once captured
@@ -94,6 +95,7 @@ class ModelRunner:
         self.launched_at = self.results_at = 0.0
         self._staging = torch.empty(0, dtype=torch.long)
         self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
+        self._iota = np.arange(0)  # 0, 1, 2, ...: read-only views instead of a new arange each step
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
@@ -103,12 +105,15 @@ class ModelRunner:
         if backend == "sdpa":
             return SdpaAttention(self.cache)
         if backend == "flashinfer":
-            from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
+            from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention, SharedWorkspace
 
+            if self._flashinfer_workspace is None:
+                self._flashinfer_workspace = SharedWorkspace(self.device)
             return FlashInferAttention(self.cache, self.model.config, self.device,
                                        num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                        graph_segments=graph_segments,
-                                       graph_max_pages=graph_segments * self.max_blocks_per_seq)
+                                       graph_max_pages=graph_segments * self.max_blocks_per_seq,
+                                       workspace=self._flashinfer_workspace)
         if backend == "fa4":
             from fluxlab.engine.layers.attention_fa4 import Fa4Attention
 
@@ -133,6 +138,13 @@ class ModelRunner:
             self.graphs = None
 
     # --- host side ---
+    def _range(self, n: int) -> np.ndarray:
+        """np.arange(n) as a view of a cached array (callers never write to it)."""
+        if self._iota.shape[0] < n:
+            self._iota = np.arange(max(n, 2 * self._iota.shape[0]))
+            self._iota.flags.writeable = False
+        return self._iota[:n]
+
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
         """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
         index is computed with numpy over the batch's seats (seats.py), no loop over rows."""
@@ -140,13 +152,13 @@ class ModelRunner:
         seats = batch.seats
         slots, first, num = batch.slots, batch.first_block, batch.num_blocks
         if batch.single_blocks:  # one query block per row, its active block (most decode steps)
-            block_ends = np.arange(1, slots.shape[0] + 1)
+            block_ends = self._range(slots.shape[0] + 1)[1:]
             block_seat, query_block = slots, first
         else:
             block_ends = num.cumsum()  # flat index of the query block after each row's last
             # Per query block: its row's seat and its block in that row's canvas.
             block_seat = np.repeat(slots, num)
-            query_block = np.repeat(first - block_ends + num, num) + np.arange(int(block_ends[-1]))
+            query_block = np.repeat(first - block_ends + num, num) + self._range(int(block_ends[-1]))
         pages = seats.pages[block_seat, query_block]
         positions = query_block[:, None] * bl + self._block_offsets
         token_ids = seats.tokens[block_seat[:, None], positions].ravel()
@@ -157,17 +169,19 @@ class ModelRunner:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
             check_routing_blocks(positions, self.routing_block_size, row_starts=(block_ends - num) * bl)
-        decoding_rows = batch.decodes.nonzero()[0]
-        if not decoding_rows.shape[0]:
-            return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages,
-                              seats=row_seats), None
-        num_rows = decoding_rows.shape[0]
-        if batch.single_blocks:
-            seat, block_index = slots, np.arange(num_rows * bl)
+        if batch.single_blocks and slots.shape[0]:  # every row decodes, its block is its whole input
+            num_rows = slots.shape[0]
+            seat, block_index = slots, self._range(num_rows * bl)
+            blocks = token_ids.reshape(num_rows, bl)
         else:
+            decoding_rows = batch.decodes.nonzero()[0]
+            if not decoding_rows.shape[0]:
+                return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages,
+                                  seats=row_seats), None
+            num_rows = decoding_rows.shape[0]
             seat = slots[decoding_rows]
             block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
-        blocks = token_ids[block_index].reshape(num_rows, bl)
+            blocks = token_ids[block_index].reshape(num_rows, bl)
         prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
         # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
@@ -181,10 +195,10 @@ class ModelRunner:
         logit_index = block_index[greedy_target]
         if full_rows.shape[0]:
             logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
-        decoders = [seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist())]
+        decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
         requests = batch.requests if batch.single_blocks else [batch.requests[i] for i in decoding_rows.tolist()]
         decode_inputs = DecodeInputs(requests, seat, block_index,
-                                     greedy_target, full_rows, seats.log_len[seat], sorted(decoders))
+                                     greedy_target, full_rows, seats.log_len[seat], decoders)
         return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages,
                            seats=row_seats), decode_inputs)
 
@@ -202,7 +216,7 @@ class ModelRunner:
             packed = self._staging[:total].to(self.device, non_blocking=True)
         else:
             packed = self._staging[:total].clone()
-        return list(torch.split(packed, sizes))
+        return packed.split_with_sizes(sizes)  # no torch.split wrapper: ~2 µs a step
 
     # --- the forward ---
     def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
@@ -230,7 +244,7 @@ class ModelRunner:
         pages = inputs.pages
         if pages is None:
             pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
-        slots = (pages[:, None] * bl + np.arange(bl)).ravel()
+        slots = (pages[:, None] * bl + self._block_offsets).ravel()
         ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
             [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
         segments = [n for _, n, _ in rows]

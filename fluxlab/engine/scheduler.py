@@ -215,10 +215,16 @@ class Scheduler:
         outputs = []
         if not final.shape[0]:
             # Nothing finished a block, so every row is still inside its block: the next schedule
-            # gives the same rows in the same order (every running request, oldest first), and
-            # no row needs a new page or lets a waiting request in (paged: not at a barrier).
-            if batch.single_blocks and not changed and batch.requests == self.running:
-                self._repeat = batch
+            # gives the same rows in the same order (every running request, oldest first), each
+            # its active block alone (a commit + decode row's commit is cached now), and no row
+            # needs a new page or lets a waiting request in (paged: not at a barrier).
+            if not changed and batch.requests == self.running:
+                if batch.single_blocks:
+                    self._repeat = batch
+                elif decodes.all():
+                    ones = np.ones(slots.shape[0], dtype=np.int64)
+                    self._repeat = ScheduledBatch(batch.requests, slots, first + batch.num_blocks - 1, ones,
+                                                  decodes, bl, seats, single_blocks=True)
             return outputs
         # The seats move on to their next block (counters, decoder state zero at block entry) ...
         seat = seat[final]

@@ -16,6 +16,17 @@ import torch
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
 
 WORKSPACE_BYTES = 256 * 2**20
+INT_WORKSPACE_BYTES = 8 * 2**20  # FlashInfer's own default for the plan's int buffer
+
+
+class SharedWorkspace:
+    """One float and one int FlashInfer workspace for every wrapper of a runner (eager and every
+    captured graph): forwards run one at a time on one stream and each plans right before it runs
+    (a graph's plan before each replay), so what one wrapper leaves there is never read by another."""
+
+    def __init__(self, device: torch.device):
+        self.float_buffer = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.int_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
 def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int
@@ -34,7 +45,8 @@ def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int
 
 class FlashInferAttention:
     def __init__(self, cache: KVCache, model_config, device: torch.device, *, num_qo_heads: Optional[int] = None,
-                 num_kv_heads: Optional[int] = None, graph_segments: int = 0, graph_max_pages: int = 0):
+                 num_kv_heads: Optional[int] = None, graph_segments: int = 0, graph_max_pages: int = 0,
+                 workspace: Optional[SharedWorkspace] = None):
         import flashinfer
 
         self.cache = cache
@@ -43,7 +55,7 @@ class FlashInferAttention:
         self.num_kv_heads = num_kv_heads or model_config.num_key_value_heads
         self.head_dim = model_config.head_dim
         self.device = device
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = workspace or SharedWorkspace(device)
         self.graph_segments = graph_segments
         if graph_segments:
             # Fixed buffers: plan() rewrites them in place before each replay of a captured graph.
@@ -52,10 +64,13 @@ class FlashInferAttention:
                 paged_kv_indptr_buf=torch.zeros(graph_segments + 1, dtype=torch.int32, device=device),
                 paged_kv_indices_buf=torch.zeros(graph_max_pages, dtype=torch.int32, device=device),
                 paged_kv_last_page_len_buf=torch.zeros(graph_segments, dtype=torch.int32, device=device))
-            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True,
-                                                                          **self.buffers)
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace.float_buffer, "NHD",
+                                                                          use_cuda_graph=True, **self.buffers)
         else:
-            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace.float_buffer, "NHD")
+        # The constructor allocates a private int buffer; swap in the shared one (public API; the
+        # wrapper keeps its own pinned host staging buffer).
+        self.wrapper.reset_workspace_buffer(self.workspace.float_buffer, self.workspace.int_buffer)
         self.meta: Optional[AttentionMetadata] = None
 
     def plan(self, rows: list[tuple[int, int, list[int]]]) -> None:
