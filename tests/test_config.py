@@ -102,6 +102,11 @@ def test_resolution_of_auto_and_null_keys():
     assert cfg.attention.cuda_graph_capture_bs == [1, 2, 4, 8, 12]
     cfg, _ = valid([], cuda=True)
     assert cfg.engine.device == "cuda" and cfg.attention.backend == "flashinfer"
+    # the reference system's --use-cuda-graph turns on decode graphs; without CUDA it is refused
+    cfg, _ = valid(["attention.use_cuda_graph=true"], cuda=True)
+    assert cfg.attention.use_decode_cuda_graph and cfg.attention.cuda_graph_capture_bs
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        valid(["attention.use_cuda_graph=true"])
 
 
 def test_wrong_type_and_unknown_key_fail_at_compose():

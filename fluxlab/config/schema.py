@@ -47,8 +47,8 @@ class SchedulerConfig:
 @dataclass
 class AttentionConfig:
     backend: str = "auto"  # auto = flashinfer on CUDA, sdpa on CPU; sdpa | flashinfer | fa4
-    use_cuda_graph: bool = False
-    use_prefill_cuda_graph: bool = False  # experimental
+    use_cuda_graph: bool = False  # the reference system's --use-cuda-graph: validate turns on decode graphs
+    use_prefill_cuda_graph: bool = False  # prefill / mixed forwards up to cuda_graph_capture_sizes tokens
     use_decode_cuda_graph: bool = False
     cuda_graph_decode_mode: str = "padded"  # padded | decomposed
     cuda_graph_capture_bs: Optional[List[int]] = None  # null -> [1, 2, 4, ..., max_num_seqs]

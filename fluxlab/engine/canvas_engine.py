@@ -20,7 +20,7 @@ from fluxlab.engine.canvas_pages import CanvasBlockManager, sliding_ring_size
 from fluxlab.engine.canvas_request import CanvasRequest
 from fluxlab.engine.canvas_runner import CanvasRunner, kv_shapes
 from fluxlab.engine.decoding.canvas import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
-from fluxlab.engine.llm_engine import DTYPES, LLMEngine, load_tokenizer
+from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.engine.scheduler import Scheduler
 from fluxlab.engine.stop import StopStrings
@@ -61,14 +61,7 @@ class CanvasEngine(LLMEngine):
     def __init__(self, cfg: DictConfig):  # noqa: D107 - mirrors LLMEngine.__init__ for this model
         from fluxlab.engine.diffusion_gemma_loader import load_diffusion_gemma
 
-        self.cfg = cfg
-        self.device = torch.device(cfg.engine.device)
-        self.dtype = DTYPES[cfg.engine.dtype]
-        torch.manual_seed(cfg.engine.seed)
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
+        self._init_device(cfg)
         if cfg.parallel.tp_size > 1:
             raise ValueError("parallel.tp_size > 1: Diffusion-Gemma runs on one device in this build")
         model_dir = canvas_model_dir(cfg.model)
@@ -108,11 +101,7 @@ class CanvasEngine(LLMEngine):
                                    StopStrings(self.tokenizer))
         self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
                                    self.ring_size, self.block_length, self.device, self.dtype)
-        self.requests = {}
-        self._pending = []
-        self.total_forwards = 0
-        self.total_generated_tokens = 0
-        self.total_step_seconds = 0.0
+        self._init_requests()
         log.info("engine ready: %s on %s (%s), %d full-layer KV pages of one %d-token canvas, %d sliding-layer "
                  "pages (%d a request), policy=%s", cfg.model.name, self.device, cfg.engine.dtype,
                  self.block_manager.num_pages, self.block_length, self.block_manager.num_sliding_pages,

@@ -121,15 +121,8 @@ class LLMEngine:
         from fluxlab.engine.loader import special_ids
         from fluxlab.engine.models.llada2_moe import check_block_length
 
-        self.cfg = cfg
-        self.device = torch.device(cfg.engine.device)
-        self.dtype = DTYPES[cfg.engine.dtype]
-        torch.manual_seed(cfg.engine.seed)
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
-            free_at_start, _ = torch.cuda.mem_get_info(self.device)
+        self._init_device(cfg)
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         # Random weights of a published preset have no files: the preset's released ids.
@@ -147,7 +140,7 @@ class LLMEngine:
         self.block_length = cfg.decoding.block_length
         check_block_length(self.model_config, self.block_length)
         self.max_model_len = cfg.model.max_model_len
-        num_pages = self._num_kv_pages(free_at_start if self.device.type == "cuda" else 0)
+        num_pages = self._num_kv_pages(free_at_start)
         layout = cfg.engine.kv_cache_layout
         self.block_manager = BlockManager(num_pages, layout, pages_per_slot=self.max_model_len // self.block_length,
                                           enable_prefix_cache=cfg.scheduler.enable_prefix_cache,
@@ -162,6 +155,24 @@ class LLMEngine:
         segment_sizes = graph_segment_sizes(cfg)
         if segment_sizes:
             self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
+        self._init_requests()
+        log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s, prefix cache %s",
+                 cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
+                 cfg.scheduler.policy, cfg.attention.backend, "on" if cfg.scheduler.enable_prefix_cache else "off")
+
+    def _init_device(self, cfg: DictConfig) -> None:
+        """engine.device / dtype / seed: a bare "cuda" is pinned to the current card."""
+        self.cfg = cfg
+        self.device = torch.device(cfg.engine.device)
+        self.dtype = DTYPES[cfg.engine.dtype]
+        torch.manual_seed(cfg.engine.seed)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+
+    def _init_requests(self) -> None:
+        """The engine loop's own state: live requests, pending outputs and the run's counters."""
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
         self.total_forwards = 0
@@ -169,9 +180,6 @@ class LLMEngine:
         # Wall time of steps that ran a forward. A step ends on its one device->host copy, so the
         # sum is the GPU-bound time of the run even though a step's own span can absorb queued work.
         self.total_step_seconds = 0.0
-        log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s, prefix cache %s",
-                 cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
-                 cfg.scheduler.policy, cfg.attention.backend, "on" if cfg.scheduler.enable_prefix_cache else "off")
 
     # --- decoders the model can run ---
     def _missing_special_ids(self, decoder: str) -> list[str]:

@@ -164,7 +164,8 @@ class ModelRunner:
         token_ids = seats.tokens[block_seat[:, None], positions].ravel()
         positions = positions.ravel()
         rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(), [r.page_table for r in batch.requests]))
-        row_seats = list(zip(slots.tolist(), [r.serial for r in batch.requests]))
+        # (seat, serial) per row keys the TP workers' state (step_channel.py); one GPU never reads it
+        row_seats = None if self.on_step is None else list(zip(slots.tolist(), [r.serial for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).

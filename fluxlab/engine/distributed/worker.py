@@ -68,6 +68,7 @@ class _ModelOnly:
     """The part of LLMEngine a worker runs: page count and profile (the same forwards in the same
     order as rank 0's, so every collective matches), borrowed rather than rewritten."""
 
+    _init_device = LLMEngine._init_device
     _num_kv_pages = LLMEngine._num_kv_pages
     _page_bytes = LLMEngine._page_bytes
     _profile_num_pages = LLMEngine._profile_num_pages
@@ -79,18 +80,13 @@ class WorkerEngine(MinPagesOverRanks, _ModelOnly):
     computed the special ids (`special`) before starting it."""
 
     def __init__(self, cfg, control, special):
-        from fluxlab.engine.llm_engine import DTYPES, graph_segment_sizes, load_engine_model, resolve_model_dir
+        from fluxlab.engine.llm_engine import graph_segment_sizes, load_engine_model, resolve_model_dir
         from fluxlab.engine.model_runner import ModelRunner
 
-        self.cfg, self._control, self.special = cfg, control, special
+        self._init_device(cfg)
+        self._control, self.special = control, special
         self.mask_id = special.mask_id
-        self.device = torch.device(cfg.engine.device)
-        self.dtype = DTYPES[cfg.engine.dtype]
-        torch.manual_seed(cfg.engine.seed)
-        free_at_start = 0
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            free_at_start, _ = torch.cuda.mem_get_info(self.device)
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self.model, self.model_config = load_engine_model(cfg, self.device, self.dtype, resolve_model_dir(cfg.model))
         self.block_length = cfg.decoding.block_length
         self.max_model_len = cfg.model.max_model_len
