@@ -238,3 +238,26 @@ def test_llada2_models_refuse_canvas_knobs_per_request():
             llada.engine.add_request([5, 6, 7], SamplingParams(**knobs))
         assert err.value.param == param
     assert not llada.engine.has_unfinished()
+
+
+def test_a_final_canvas_equal_to_its_mirror_is_still_committed(llm, hf, monkeypatch):
+    """A denoising pass writes no K/V, so a final canvas is committed by its own pass even when the
+    host mirror of the block already holds exactly its tokens (a canvas stable through its last
+    step): the mirror is forced to the final canvas before postprocess here."""
+    engine = llm.engine
+    run = engine.runner.run
+
+    def mirror_the_final_canvas(batch):
+        out = run(batch)
+        if out is not None:
+            seats, bl = engine.scheduler.seats, engine.block_length
+            rows = batch.decodes.nonzero()[0]
+            for i in out.final.nonzero()[0].tolist():
+                seat = int(batch.slots[rows[i]])
+                start = int(seats.active_block[seat]) * bl
+                seats.tokens[seat, start:start + bl] = out.blocks[i]
+        return out
+
+    monkeypatch.setattr(engine.runner, "run", mirror_the_final_canvas)
+    vocab = engine.model_config.vocab_size
+    check(llm, hf, [(prompt_ids(n, 3, vocab), 3, 20) for n in (3, 9, 17)])

@@ -98,7 +98,7 @@ class CanvasEngine(LLMEngine):
                                                 enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
-                                   StopStrings(self.tokenizer))
+                                   StopStrings(self.tokenizer), decode_writes_kv=False)
         self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
                                    self.ring_size, self.block_length, self.device, self.dtype)
         self._init_requests()

@@ -113,8 +113,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, policy: str, max_num_seqs: int, max_scheduled_tokens: int, block_length: int,
-                 block_manager: BlockManager, text_stops: Optional[TextStops] = None):
+                 block_manager: BlockManager, text_stops: Optional[TextStops] = None, decode_writes_kv: bool = True):
+        """decode_writes_kv: a decoding forward writes its active block's K/V as a commit would (LLaDA2:
+        the block attends to the prefix and itself either way); Diffusion-Gemma's denoising pass writes none."""
         self.policy = policy
+        self.decode_writes_kv = decode_writes_kv
         self.text_stops = text_stops
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # seats of the host and device step state
         self.max_num_seqs = max_num_seqs
@@ -194,7 +197,7 @@ class Scheduler:
             # A block whose final forward changed none of its tokens got its K/V from that forward,
             # computed over its final tokens: it needs no commit segment in the next forward.
             written = seats.tokens[seat[final][:, None], starts[final][:, None] + seats.block_offsets]
-            kv_written = (written == out.blocks[final]).all(axis=1).tolist()
+            kv_written = ((written == out.blocks[final]).all(axis=1) & self.decode_writes_kv).tolist()
         seats.tokens[seat[:, None], starts[:, None] + seats.block_offsets] = out.blocks
         seats.forwards[seat] += 1
         seats.tokens_accepted[seat] += out.filled
