@@ -84,3 +84,31 @@ def test_per_request_frame_has_one_row_per_request():
     assert list(frame["index"]) == [0, 1, 2]
     assert frame.loc[0, "itl_s"] == "0.200000 0.200000"
     assert frame.loc[0, "tpot_s"] == pytest.approx(0.1)
+
+
+def test_engine_step_counters_give_step_host_and_graph_shares():
+    from fluxlab.bench.metrics import EngineSteps
+
+    records = [RequestRecord(index=0, prompt_tokens=4, output_tokens=8, success=True, e2e_s=1.0, ttft_s=0.5)]
+    m = compute_metrics(records, 1.0, EngineSteps(forwards=10, seconds=0.2, graph_forwards=9, host_seconds=0.05))
+    assert m["engine_steps"] == 10 and m["mean_step_ms"] == pytest.approx(20.0)
+    assert m["graph_share"] == pytest.approx(0.9) and m["mean_host_ms"] == pytest.approx(5.0)
+    assert "mean_host_ms" not in compute_metrics(records, 1.0, EngineSteps(forwards=10, seconds=0.2))
+
+
+def test_a_released_offline_engine_is_garbage_collected():
+    """bench keeps one engine across a sweep's jobs; the next one sizes its KV cache from the
+    device's free memory, so the released engine must not stay reachable."""
+    import weakref
+
+    from fluxlab.bench import offline
+    from fluxlab.config import compose, validate_config
+
+    cfg = compose("bench", ["model=tiny_llada2", "engine.device=cpu", "bench=offline"])
+    validate_config(cfg)
+    llm, reused = offline.acquire_llm(cfg)
+    assert not reused and offline.acquire_llm(cfg) == (llm, True)
+    engine = weakref.ref(llm.engine)
+    del llm
+    offline.release_llm()
+    assert engine() is None

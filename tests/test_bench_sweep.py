@@ -110,6 +110,8 @@ def test_engine_steps_are_counted_and_timed(sweep, request):
         # most all of them (warm-up steps are outside the timed window).
         assert per_request.max() <= result["engine_steps"] <= per_request.sum()
         assert 0 < result["mean_step_ms"] < 1e3 * result["duration"]
+        # the host share of a step (online: the server's fluxlab:engine_host_seconds_total)
+        assert 0 < result["mean_host_ms"] <= result["mean_step_ms"]
 
 
 def test_server_started_once_for_per_request_key_sweep_and_stopped_at_the_end(online_sweep):

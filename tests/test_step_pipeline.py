@@ -254,10 +254,11 @@ def test_graph_sizes_cover_decode_commit_and_fdfo_mixes():
         validate_config(cfg, cuda_available=True)
         return graph_segment_sizes(cfg)
 
-    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=1024") == \
-        [1, 2, 4, 8, 12, 16, 20, 24, 28, 32]
+    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=1024") == list(range(1, 33))
+    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_num_seqs=64", "scheduler.max_scheduled_tokens=4096") == \
+        list(range(1, 33)) + list(range(34, 65, 2)) + list(range(68, 129, 4))
     # the token budget caps what a forward can hold
-    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=512") == [1, 2, 4, 8, 12, 16]
+    assert sizes("attention.use_decode_cuda_graph=true", "scheduler.max_scheduled_tokens=512") == list(range(1, 17))
     assert sizes("attention.use_prefill_cuda_graph=true", "scheduler.max_scheduled_tokens=1024",
                  "attention.cuda_graph_capture_sizes=[64,128,256,512,1024]") == [2, 4, 8, 16, 32]
     assert sizes("scheduler.max_scheduled_tokens=1024") == []

@@ -74,6 +74,7 @@ class EngineSteps:
     forwards: int
     seconds: float
     graph_forwards: Optional[int] = None  # of those, CUDA graph replays (None: not reported)
+    host_seconds: Optional[float] = None  # of `seconds`, host work the GPU waited for (None: not reported)
 
 
 def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
@@ -115,6 +116,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
         metrics["mean_step_ms"] = 1e3 * steps.seconds / steps.forwards
         if steps.graph_forwards is not None:
             metrics["graph_share"] = steps.graph_forwards / steps.forwards
+        if steps.host_seconds is not None:
+            metrics["mean_host_ms"] = 1e3 * steps.host_seconds / steps.forwards
     return metrics
 
 

@@ -8,9 +8,11 @@ per-request keys change (they travel in SamplingParams).
 from __future__ import annotations
 
 import atexit
+import gc
 import time
 from typing import Any, Optional, Sequence
 
+import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -36,10 +38,16 @@ def acquire_llm(cfg: DictConfig) -> tuple[Any, bool]:
 
 
 def release_llm() -> None:
+    """Shut the kept engine down and give its GPU memory back: the next job's engine sizes its KV
+    cache from the device's free memory, which the caching allocator's blocks would still hold."""
     global _llm, _llm_key
-    if _llm is not None:
-        _llm.shutdown()
+    if _llm is None:
+        return
+    _llm.shutdown()
     _llm, _llm_key = None, None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 atexit.register(release_llm)  # TP workers of a kept engine must not outlive bench
@@ -70,7 +78,7 @@ def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any],
     records: dict[str, RequestRecord] = {}
     sent: dict[str, float] = {}
     chunk_times: dict[str, list[float]] = {}
-    forwards, step_seconds = engine.total_forwards, engine.total_step_seconds
+    forwards, step_seconds, host_seconds = engine.total_forwards, engine.total_step_seconds, engine.total_host_seconds
     graph_forwards = engine.runner.num_graph_forwards
     start = time.perf_counter()
     for prompt, ids in zip(prompts, prompt_ids):
@@ -92,7 +100,7 @@ def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any],
                     progress.update(1)
     duration = time.perf_counter() - start
     steps = EngineSteps(engine.total_forwards - forwards, engine.total_step_seconds - step_seconds,
-                        engine.runner.num_graph_forwards - graph_forwards)
+                        engine.runner.num_graph_forwards - graph_forwards, engine.total_host_seconds - host_seconds)
     return sorted(records.values(), key=lambda r: r.index), duration, steps
 
 

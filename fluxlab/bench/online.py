@@ -131,11 +131,13 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
 # fluxlab's engine counters on /metrics (a CounterMetricFamily's sample carries the _total suffix).
 _FORWARDS, _STEP_SECONDS = "fluxlab:forwards_total", "fluxlab:engine_step_seconds_total"
 _GRAPH_FORWARDS = "fluxlab:graph_forwards_total"
+_HOST_SECONDS = "fluxlab:engine_host_seconds_total"
 
 
-async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional[tuple[float, float, Optional[float]]]:
-    """(forwards, step seconds, graph replays or None) from the server's /metrics; None when it has no fluxlab counters
-    (another engine, a router in front of several replicas) or cannot be read."""
+async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional[dict[str, Optional[float]]]:
+    """{forwards, seconds, graph_forwards, host_seconds} from the server's /metrics (the last two None when
+    not reported); None when it has no fluxlab counters (another engine, a router in front of several
+    replicas) or cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -147,7 +149,17 @@ async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> Optional
         return None
     if _FORWARDS not in samples or _STEP_SECONDS not in samples:
         return None
-    return samples[_FORWARDS], samples[_STEP_SECONDS], samples.get(_GRAPH_FORWARDS)
+    return {"forwards": samples[_FORWARDS], "seconds": samples[_STEP_SECONDS],
+            "graph_forwards": samples.get(_GRAPH_FORWARDS), "host_seconds": samples.get(_HOST_SECONDS)}
+
+
+def _steps_between(before: dict[str, Optional[float]], after: dict[str, Optional[float]]) -> EngineSteps:
+    def delta(key: str) -> Optional[float]:
+        return None if before[key] is None or after[key] is None else after[key] - before[key]
+
+    graphs = delta("graph_forwards")
+    return EngineSteps(int(delta("forwards")), delta("seconds"), None if graphs is None else int(graphs),
+                       delta("host_seconds"))
 
 
 async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs: dict[str, Any], bench: Any,
@@ -184,10 +196,7 @@ async def _run(base_url: str, prompts: Sequence[BenchPrompt], model: str, knobs:
         duration = time.perf_counter() - start
         progress.close()
         after = await _engine_counters(client, base_url) if before is not None else None
-    steps = None
-    if after is not None:
-        graphs = int(after[2] - before[2]) if after[2] is not None and before[2] is not None else None
-        steps = EngineSteps(int(after[0] - before[0]), after[1] - before[1], graphs)
+    steps = _steps_between(before, after) if after is not None else None
     return list(records), duration, steps
 
 

@@ -270,13 +270,13 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.ttft_variants and engine is not None:
         # The engine's graph sizes at scheduler.max_num_seqs=concurrency (llm_engine.graph_segment_sizes):
-        # decode graphs {b, 2b} for b = 1, 2, 4, ..., concurrency and every multiple of LADDER_STEP up to 2 * concurrency.
-        from fluxlab.engine.llm_engine import LADDER_STEP
+        # decode graphs {b, 2b} for b = 1, 2, 4, ..., concurrency and the ladder up to 2 * concurrency.
+        from fluxlab.engine.llm_engine import ladder_sizes
 
         conc = args.concurrency
         capture_bs = {min(2 ** i, conc) for i in range(conc.bit_length())} | {conc}
         decode_segments = {n for b in capture_bs for n in (b, 2 * b)}
-        decode_segments |= set(range(LADDER_STEP, max(decode_segments) + 1, LADDER_STEP))
+        decode_segments |= ladder_sizes(max(decode_segments))
         ttft_prompts = prompts[:conc]
         segments = sum(len(p) // args.block + 1 for p in ttft_prompts)
         mean_len = statistics.mean(len(p) for p in ttft_prompts)

@@ -72,23 +72,30 @@ def load_tokenizer(model_dir: Optional[Path], trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
-LADDER_STEP = 4  # decode graph sizes between the batch sizes (graph_segment_sizes)
+def ladder_sizes(top: int) -> set[int]:
+    """Graph sizes 1..top with a step that grows with the size (1 to 32, then 2, 4 from 64, 8 from
+    128, ...): a padded forward never runs more than 1/16 more segments than it needs."""
+    sizes, n = set(), 1
+    while n <= top:
+        sizes.add(n)
+        n += 1 << (n // 32).bit_length()
+    return sizes
 
 
 def graph_segment_sizes(cfg: DictConfig) -> list[int]:
     """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
-    row committing and decoding), every multiple of LADDER_STEP up to the largest of those (FDFO
-    batches mix 1- and 2-block rows: 16 decode rows and 2 commits are 18 segments, which a ladder of
-    8s pads to 24, one of 4s to 20; bench/graph_padding), plus cuda_graph_capture_sizes /
-    block_length with prefill graphs; never more than a forward can hold
-    (scheduler.max_scheduled_tokens). The graphs share one attention workspace, so a denser
-    ladder costs capture time and little memory."""
+    row committing and decoding), and `ladder_sizes` up to the largest of those (FDFO batches mix
+    1- and 2-block rows: 16 decode rows and 2 commits are 18 segments, which a ladder of 8s pads to
+    24, one of 4s to 20; bench/graph_padding), plus cuda_graph_capture_sizes / block_length with
+    prefill graphs; never more than a forward can hold (scheduler.max_scheduled_tokens). The graphs
+    share one attention workspace, so a denser ladder costs capture time (~0.1 s a graph on an H200)
+    and little memory."""
     attn, bl = cfg.attention, cfg.decoding.block_length
     limit = cfg.scheduler.max_scheduled_tokens // bl
     sizes = set()
     if attn.use_decode_cuda_graph:
         sizes |= {n for b in attn.cuda_graph_capture_bs for n in (b, 2 * b)}
-        sizes |= set(range(LADDER_STEP, max(sizes) + 1, LADDER_STEP))
+        sizes |= ladder_sizes(max(sizes))
     if attn.use_prefill_cuda_graph:
         sizes |= {t // bl for t in attn.cuda_graph_capture_sizes}
     return sorted(n for n in sizes if 1 <= n <= limit)
@@ -180,6 +187,8 @@ class LLMEngine:
         # Wall time of steps that ran a forward. A step ends on its one device->host copy, so the
         # sum is the GPU-bound time of the run even though a step's own span can absorb queued work.
         self.total_step_seconds = 0.0
+        # the part of those steps the GPU waits for: up to the forward's launch, after its results
+        self.total_host_seconds = 0.0
 
     # --- decoders the model can run ---
     def _missing_special_ids(self, decoder: str) -> list[str]:
@@ -365,8 +374,11 @@ class LLMEngine:
         if not batch.requests:  # (batch.rows would build a ScheduledRow per row)
             return outputs
         try:
-            outputs += self.scheduler.postprocess(batch, self.runner.run(batch))
+            step_output = self.runner.run(batch)
+            launched_at, results_at = self.runner.launched_at, self.runner.results_at
+            outputs += self.scheduler.postprocess(batch, step_output)
             self.total_forwards += 1
+            self.total_host_seconds += (launched_at - started) + (time.perf_counter() - results_at)
         except EngineFatalError:
             raise
         except Exception as err:  # noqa: BLE001 - one request's bad step must not fail the batch

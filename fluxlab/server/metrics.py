@@ -58,6 +58,8 @@ class _EngineCollector(Collector):
                       snap.graph_forwards)
         yield counter("engine_step_seconds", "Wall time of engine steps that ran a forward (schedule, forward, "
                       "decode); over forwards it is the mean step latency.", snap.total_step_seconds)
+        yield counter("engine_host_seconds", "Of engine_step_seconds, the host work before the forward's launch and "
+                      "after its results reach the host (what the GPU waits for).", snap.total_host_seconds)
         tpf = snap.total_generated_tokens / snap.total_forwards if snap.total_forwards else 0.0
         yield gauge("avg_tokens_per_forward", "Generated tokens / forwards since start.", tpf)
 
