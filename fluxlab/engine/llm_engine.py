@@ -173,6 +173,8 @@ class LLMEngine:
         self.device = torch.device(cfg.engine.device)
         self.dtype = DTYPES[cfg.engine.dtype]
         torch.manual_seed(cfg.engine.seed)
+        # add_request reads the config's decoding defaults: a plain dict (an omegaconf lookup is ~10 µs)
+        self.decoding_defaults: dict = {key: cfg.decoding[key] for key in cfg.decoding}
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -313,7 +315,7 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:
         """Queue a request; bad input raises InvalidRequest and leaves the engine untouched."""
-        params = (params or SamplingParams()).resolve(self.cfg.decoding, self.cfg.model.max_new_tokens,
+        params = (params or SamplingParams()).resolve(self.decoding_defaults, self.cfg.model.max_new_tokens,
                                                       self.cfg.engine.seed)
         vocab = self.model_config.vocab_size
         if not prompt_ids:
@@ -345,7 +347,7 @@ class LLMEngine:
             raise InvalidRequest(f"decoder=canvas decodes Diffusion-Gemma canvases; {self.cfg.model.name} is not "
                                  "a Diffusion-Gemma model", "decoder")
         for name in CANVAS_KNOBS:  # resolve() filled them from the config: a different value is the request's
-            if getattr(params, name) != self.cfg.decoding[name]:
+            if getattr(params, name) != self.decoding_defaults[name]:
                 raise InvalidRequest(f"{name} is a canvas-decoder knob (Diffusion-Gemma); {self.cfg.model.name} "
                                      "does not read it", name)
         return Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
