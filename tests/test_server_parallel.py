@@ -13,11 +13,16 @@ OVERRIDES = ["model=tiny_llada2", "parallel=tp2_ep2", "engine.device=cpu", "engi
              "model.max_model_len=256", "server.host=127.0.0.1", "server.port=0"]
 
 
-def spawned_workers(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
-    return [c for c in children
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def spawned_workers(pid: int) -> list[int]:
+    """The TP worker processes under the server (its engine process starts them)."""
+    return [c for c in _descendants(pid)
             if "fluxlab.engine.distributed.worker" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
 
 

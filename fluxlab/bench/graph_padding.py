@@ -5,7 +5,8 @@
 Replays the served setting of docs/benchmarks.md §7 in a closed loop (C requests in flight, a new
 one when one finishes; block 32, steps 8, 256 tokens, the tiny model with the host_step stubs and
 confidences that never pass the threshold, so every step accepts exactly its scheduled k as random
-weights do) and records each forward's segments (query blocks). For the engine's capture ladder
+weights do) and records each forward's segments (query blocks) and the engine's host time per step
+(LLMEngine.total_host_seconds: before the forward's launch and after its results). For the engine's capture ladder
 (`graph_segment_sizes` of that config), the multiples-of-8 one it had before and two finer ones it reports the mean padded size of the
 steady forwards: padding segments run the whole model, so they cost what real ones cost.
 """
@@ -21,7 +22,7 @@ from fluxlab.engine.request import SamplingParams
 CAPTURE_BS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def record_segments(policy: str, concurrency: int, num_prompts: int) -> tuple[list[list[int]], list[int]]:
+def record_segments(policy: str, concurrency: int, num_prompts: int) -> tuple[list[list[int]], list[int], list[float]]:
     from fluxlab.bench.host_step import NoAttention, StubModel
     from fluxlab.bench.roofline import gsm8k_prompts
     from fluxlab.engine.llm_engine import graph_segment_sizes
@@ -50,13 +51,15 @@ def record_segments(policy: str, concurrency: int, num_prompts: int) -> tuple[li
     engine.scheduler.schedule = recording_schedule
     prompts = gsm8k_prompts(engine.tokenizer, num_prompts)
     params = SamplingParams(max_new_tokens=256, ignore_eos=True)
-    added = 0
+    added, host_s = 0, []
     while added < num_prompts or engine.has_unfinished():
         while added < num_prompts and engine.num_running + engine.num_waiting < concurrency:
             engine.add_request(prompts[added], params)
             added += 1
+        before = engine.total_host_seconds
         engine.step()
-    return forwards, ladder
+        host_s.append(engine.total_host_seconds - before)
+    return forwards, ladder, host_s
 
 
 def main() -> None:
@@ -68,12 +71,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("| policy | C | rows/forward | segments/forward | ladder | graphs | padded segments | padding |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| policy | C | rows/forward | segments/forward | host ms/step | ladder | graphs | padded segments | padding |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for policy in args.policies.split(","):
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            forwards, ladder = record_segments(policy, concurrency, args.prompts)
-            steady = forwards[len(forwards) // 10:-(len(forwards) // 10)]  # without ramp-up and drain
+            forwards, ladder, host_s = record_segments(policy, concurrency, args.prompts)
+            cut = len(forwards) // 10
+            steady = forwards[cut:-cut]  # without ramp-up and drain
+            host_ms = 1e3 * statistics.mean(host_s[cut:-cut])
             real = statistics.mean(sum(r) for r in steady)
             rows = statistics.mean(len(r) for r in steady)
             base = {n for b in CAPTURE_BS for n in (b, 2 * b)}
@@ -82,7 +87,7 @@ def main() -> None:
                        "every size to 80": sorted(base | set(range(1, 81)) | set(range(8, 129, 8)))}
             for name, sizes in ladders.items():
                 padded = statistics.mean(plan_chunks(r, sizes, "padded")[0][1] for r in steady)
-                print(f"| {policy} | {concurrency} | {rows:.2f} | {real:.2f} | {name} | {len(sizes)} | {padded:.2f} "
+                print(f"| {policy} | {concurrency} | {rows:.2f} | {real:.2f} | {host_ms:.3f} | {name} | {len(sizes)} | {padded:.2f} "
                       f"| +{100 * (padded / real - 1):.0f}% |", flush=True)
 
 

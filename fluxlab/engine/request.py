@@ -14,6 +14,9 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # the server's engine process sends it back whole
+        return type(self), (str(self), self.param)
+
 
 class EngineFatalError(RuntimeError):
     """The engine cannot go on (a tensor-parallel worker died): the server stops with this message."""

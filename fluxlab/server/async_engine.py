@@ -52,16 +52,25 @@ class EngineSnapshot:
 
 
 class _Stream:
-    """Where one request's outputs go: the handler's queue on the handler's loop."""
+    """Where one request's outputs go: the handler's queue on the handler's loop, and the future
+    its handler awaits until the engine took (or refused) the request."""
 
-    __slots__ = ("loop", "queue")
+    __slots__ = ("loop", "queue", "accepted")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
+        self.accepted: asyncio.Future = loop.create_future()
 
     def put(self, item: Any) -> None:
+        self._call(self.queue.put_nowait, item)
+
+    def accept(self, err: Optional[BaseException]) -> None:
+        """Settle the handler's wait: None when the engine queued the request, else its error."""
+        self._call(_settle, self.accepted, err)
+
+    def _call(self, fn: Callable, *args: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop closed (shutdown); nobody is listening anymore
             pass
 
@@ -106,14 +115,12 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting_requests:
             raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
                              f"(server.max_waiting_requests={self.max_waiting_requests}); retry later")
-        loop = asyncio.get_running_loop()
-        accepted: asyncio.Future = loop.create_future()
-        stream = _Stream(loop)
+        stream = _Stream(asyncio.get_running_loop())
         with self._pending_lock:
             self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt_ids, params, stream, accepted))
+        self._commands.put(("add", request_id, prompt_ids, params, stream))
         try:
-            await accepted  # raises what add_request raised
+            await stream.accepted  # raises what add_request raised
         except asyncio.CancelledError:
             self.abort(request_id)  # the client left while we queued; FIFO puts this after the add
             raise
@@ -200,17 +207,16 @@ class AsyncEngine:
                 self._refresh_snapshot()
                 return True
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream,
-             accepted: asyncio.Future) -> None:
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream) -> None:
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id)
         except Exception as err:  # noqa: BLE001 - any add failure belongs to this request only
             if not isinstance(err, InvalidRequest):
                 log.exception("add_request failed")
-            stream.loop.call_soon_threadsafe(_settle, accepted, err)
+            stream.accept(err)
         else:
             self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_settle, accepted, None)
+            stream.accept(None)
         finally:
             with self._pending_lock:
                 self._pending_adds -= 1
@@ -256,10 +262,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                stream, accepted = command[4], command[5]
                 with self._pending_lock:
                     self._pending_adds -= 1
-                stream.loop.call_soon_threadsafe(_settle, accepted, EngineDead("the server is shutting down"))
+                command[4].accept(EngineDead("the server is shutting down"))
 
     def _fail_all(self, err: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

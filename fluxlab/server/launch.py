@@ -55,12 +55,13 @@ def _serve_single(cfg: DictConfig) -> None:
     import uvicorn
 
     from fluxlab.server.app import build_app
-    from fluxlab.server.async_engine import AsyncEngine
+    from fluxlab.server.engine_process import EngineProcess, EngineStartError
 
-    from fluxlab.engine.llm_engine import make_engine
-
-    engine = make_engine(cfg)  # loads before the socket opens: the ready line means ready to serve
-    async_engine = AsyncEngine(engine, cfg.server.max_waiting_requests)
+    try:  # the engine loads (in its own process) before the socket opens: the ready line means ready
+        async_engine = EngineProcess(cfg, cfg.server.max_waiting_requests)
+    except EngineStartError as err:
+        print(f"fluxlab serve: the engine did not start: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     app = build_app(cfg, async_engine)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
                             access_log=cfg.server.log_level == "debug", timeout_graceful_shutdown=10)
