@@ -22,7 +22,7 @@ def _routing(num_tokens, num_experts, top_k, gen):
 def _interpreter_checks() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess."""
     from fluxlab.engine.layers.moe import moe_reference
-    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe, moe_align
+    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
 
     gen = torch.Generator().manual_seed(0)
     small = MoEConfig(BLOCK_M=32, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=16, BLOCK_K2=32, GROUP_M=2)
@@ -60,18 +60,22 @@ def _interpreter_checks() -> None:
                     foreign_slots=True)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (out - ref).abs().max().item()
 
-    # Alignment with more slots than one scan chunk (1024) and some experts left empty.
-    num_experts, top_k, num_tokens, bm = 64, 4, 300, 16
-    idx, _ = _routing(num_tokens, num_experts // 2, top_k, gen)   # experts 32..63 never hit
-    idx = idx * 2                                                 # even experts only
-    sorted_ids, expert_ids, total = moe_align(idx, num_experts, bm)
+    _check_align(gen)
+    _check_counting_sort_align_gives_the_scan_align_outputs_bit_for_bit(gen)
+    print("interpreter checks ok")
+
+
+def _assert_aligned(idx, num_experts, bm, aligned):
+    """The layout the GEMMs rely on: every placed slot once, runs sorted by expert, stable."""
+    sorted_ids, expert_ids, total = aligned
     flat = idx.reshape(-1)
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    placed = (flat >= 0) & (flat < num_experts)
+    counts = torch.bincount(flat[placed], minlength=num_experts)
     assert int(total) == int(((counts + bm - 1) // bm * bm).sum())
     sorted_ids, expert_ids = sorted_ids[:int(total)], expert_ids[:int(total) // bm]
     valid = sorted_ids[sorted_ids < n]
-    assert sorted(valid.tolist()) == list(range(n))
+    assert sorted(valid.tolist()) == torch.nonzero(placed).flatten().tolist()
     assert (sorted_ids[sorted_ids >= n] == n).all()
     prev_expert = -1
     for b in range(expert_ids.numel()):
@@ -80,7 +84,69 @@ def _interpreter_checks() -> None:
         assert block.numel() > 0 and (flat[block] == expert_ids[b]).all()
         assert int(expert_ids[b]) >= prev_expert and (block.diff() > 0).all()   # sorted, stable
         prev_expert = int(expert_ids[b])
-    print("interpreter checks ok")
+
+
+def _align_cases(gen):
+    """(idx, E): several token counts and routings, empty experts, one expert for everything,
+    foreign ids (== E), nothing placed."""
+    cases = []
+    for num_tokens, num_experts, top_k in ((1, 8, 2), (5, 8, 2), (33, 16, 4), (90, 64, 4), (20, 256, 8)):
+        cases.append((_routing(num_tokens, num_experts, top_k, gen)[0], num_experts))
+    cases.append((_routing(60, 32, 4, gen)[0] * 2, 64))                       # odd experts empty
+    cases.append((torch.full((40, 1), 3, dtype=torch.int64), 8))               # all on one expert
+    cases.append((torch.randint(0, 9, (30, 2), generator=gen), 8))            # id 8: foreign slots
+    cases.append((torch.full((9, 2), 8, dtype=torch.int64), 8))               # nothing placed
+    return cases
+
+
+def _chunks(num_slots):
+    """Chunk sizes to run: one program where the interpreter's tl.sort is quick enough (it is
+    ~1 s per 256 keys), and always several chunks of 32 slots (the multi-chunk path)."""
+    return (None, 32) if num_slots <= 128 else (32,)
+
+
+def _check_align(gen):
+    from fluxlab.kernels.moe_align import moe_align
+
+    for idx, num_experts in _align_cases(gen):
+        for bm in (16, 64):
+            for chunk in _chunks(idx.numel()):
+                _assert_aligned(idx, num_experts, bm, moe_align(idx, num_experts, bm, chunk=chunk))
+
+
+def _check_counting_sort_align_gives_the_scan_align_outputs_bit_for_bit(gen):
+    """The counting sort keeps each expert's slots in their original order, as the scan did, so
+    the rows, and every output value, are the previous kernel's."""
+    import functools
+
+    from fluxlab.engine.layers.moe import moe_reference
+    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+    from fluxlab.kernels.moe_align import moe_align, moe_align_scan
+
+    cfg = MoEConfig(BLOCK_M=16, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=32, BLOCK_K2=32, GROUP_M=2)
+    hidden, inter = 64, 32
+    for idx, num_experts in _align_cases(gen):
+        old = moe_align_scan(idx, num_experts, 32)
+        total = int(old[2])
+        for chunk in _chunks(idx.numel()):
+            new = moe_align(idx, num_experts, 32, chunk=chunk)
+            assert int(new[2]) == total
+            assert torch.equal(new[0][:total], old[0][:total]) and torch.equal(new[1][:total // 32], old[1][:total // 32])
+        if num_experts > 64 or idx.numel() > 256:  # the interpreter's GEMMs: seconds per case
+            continue
+        num_tokens, top_k = idx.shape
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+        w_down = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+        wts = torch.rand(num_tokens, top_k, generator=gen)
+        foreign = bool((idx >= num_experts).any())
+        align = functools.partial(moe_align, chunk=_chunks(idx.numel())[0])
+        new = fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg, foreign_slots=foreign, align=align)
+        old = fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg, foreign_slots=foreign, align=moe_align_scan)
+        assert torch.equal(new, old), (num_tokens, num_experts)
+        mine = idx < num_experts
+        ref = moe_reference(x, torch.where(mine, idx, 0), torch.where(mine, wts, 0.0), w_gate_up, w_down)
+        assert torch.allclose(new, ref, rtol=1e-5, atol=1e-5), (new - ref).abs().max().item()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")

@@ -5,17 +5,17 @@
 
     out[t] = sum_k w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = topk_idx[t, k]
 
-with w_gate_up [E, 2I, H] (rows: gate then up) and w_down [E, H, I], in four launches and with no
+with w_gate_up [E, 2I, H] (rows: gate then up) and w_down [E, H, I], in a few launches and with no
 host synchronisation, so it can be captured in a CUDA graph:
 
-1. `_count_kernel` (grid E): counts[e] = #slots routed to expert e.
-2. `_align_kernel` (grid E): each expert gets a BLOCK_M-padded run of rows in a buffer sized for
-   the worst case (T*K + min(E, T*K)*(BLOCK_M-1) rows); writes sorted_ids (flat token-slot index
-   t*K+k, or the sentinel T*K for padding), the expert of every BLOCK_M row block, and the number of
-   used rows (`total`, on device). Slots keep their original order inside an expert (deterministic).
-3. `_gate_up_kernel`: grouped GEMM x[tok] @ w_gate_up[e]^T, gate and up tiles for the same
+1. `moe_align` (kernels/moe_align.py: a counting sort in O(slots), one to three launches): each
+   expert gets a BLOCK_M-padded run of rows in a buffer sized for the worst case
+   (T*K + min(E, T*K)*(BLOCK_M-1) rows): sorted_ids (the flat token-slot index t*K+k, or the
+   sentinel T*K in padding rows), expert_ids (the expert of every BLOCK_M row block) and the number
+   of used rows (`total`, on device). Slots keep their original order inside an expert.
+2. `_gate_up_kernel`: grouped GEMM x[tok] @ w_gate_up[e]^T, gate and up tiles for the same
    N-columns in two accumulators, SiLU(gate)*up in the epilogue -> inter [rows, I] (x.dtype).
-4. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
+3. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
    epilogue, stored per token-slot -> [T*K, H] (x.dtype).
 Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32)`) and cast back.
 
@@ -41,43 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - triton absent on the CPU CI image
-    triton = None
-    tl = None
-    HAVE_TRITON = False
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-
-
-def _patch_interpreter_for_numpy2() -> None:
-    """triton 3.6's interpreter turns scalar args into 1-element arrays and calls int() on them for
-    `range(...)` bounds, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted").
-    Re-point `tensor.__index__` at `.item()` after the interpreter's own patching. CPU-only
-    (TRITON_INTERPRET=1); no effect on compiled kernels."""
-    try:
-        from triton.runtime import interpreter as _interp
-    except Exception:
-        return
-    orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_fluxlab_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._fluxlab_patched = True
-    _interp._patch_lang_tensor = patched
-
-
-if HAVE_TRITON and _interpret():
-    _patch_interpreter_for_numpy2()
+from fluxlab.kernels.moe_align import (HAVE_TRITON, _interpret, _patch_interpreter_for_numpy2,  # noqa: F401
+                                       max_padded_rows, moe_align, tl, triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,47 +141,6 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
 # ----------------------------------------------------------------------------------------------
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _count_kernel(topk_ptr, counts_ptr, N, CH: tl.constexpr):
-        e = tl.program_id(0)
-        acc = tl.zeros([CH], dtype=tl.int32)
-        for c in range(0, N, CH):
-            offs = c + tl.arange(0, CH)
-            ids = tl.load(topk_ptr + offs, mask=offs < N, other=-1)
-            acc += (ids == e).to(tl.int32)
-        tl.store(counts_ptr + e, tl.sum(acc, axis=0))
-
-    @triton.jit
-    def _align_kernel(topk_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, N, E,
-                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr):
-        e = tl.program_id(0)
-        offs_e = tl.arange(0, E_P2)
-        cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
-        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        excl = tl.cumsum(padded, axis=0) - padded
-        start = tl.sum(tl.where(offs_e == e, excl, 0), axis=0)
-        my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0), axis=0)
-        my_pad = (my_cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        if e == 0:
-            tl.store(total_ptr, tl.sum(padded, axis=0))
-        if my_cnt > 0:
-            running = tl.sum(tl.zeros([CH], dtype=tl.int32), axis=0)
-            for c in range(0, N, CH):
-                offs = c + tl.arange(0, CH)
-                ids = tl.load(topk_ptr + offs, mask=offs < N, other=-1)
-                hit = (ids == e).to(tl.int32)
-                rank = running + tl.cumsum(hit, axis=0) - hit
-                tl.store(sorted_ids_ptr + start + rank, offs, mask=hit > 0)
-                running += tl.sum(hit, axis=0)
-            offs_p = tl.arange(0, BLOCK_M)
-            sentinel = tl.zeros([BLOCK_M], dtype=tl.int32) + N
-            tl.store(sorted_ids_ptr + start + my_cnt + offs_p, sentinel, mask=my_cnt + offs_p < my_pad)
-            nblk = my_pad // BLOCK_M
-            b0 = start // BLOCK_M
-            for b in range(0, nblk, CH):
-                ob = b + tl.arange(0, CH)
-                tl.store(expert_ids_ptr + b0 + ob, tl.zeros([CH], dtype=tl.int32) + e, mask=ob < nblk)
 
     @triton.jit
     def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -322,41 +246,15 @@ if HAVE_TRITON:
 # Host wrappers (no host sync: every size below is a function of shapes only)
 # ----------------------------------------------------------------------------------------------
 
-def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Worst-case rows after padding every expert's run to a multiple of block_m."""
-    rows = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    return triton.cdiv(rows, block_m) * block_m if HAVE_TRITON else -(-rows // block_m) * block_m
-
-
-def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int):
-    """-> (sorted_ids int32 [R], expert_ids int32 [R/block_m], total int32 [1]); only the first
-    `total` rows are written (padding rows hold the sentinel T*K)."""
-    flat = topk_idx.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    n = flat.numel()
-    rows = max_padded_rows(n, num_experts, block_m)
-    dev = flat.device
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
-    total = torch.empty(1, dtype=torch.int32, device=dev)
-    ch = 1024 if n > 256 else 256
-    _count_kernel[(num_experts,)](flat, counts, n, CH=ch, num_warps=4)
-    _align_kernel[(num_experts,)](flat, counts, sorted_ids, expert_ids, total, n, num_experts,
-                                  BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CH=ch,
-                                  num_warps=4)
-    return sorted_ids, expert_ids, total
-
-
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
               w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None,
-              foreign_slots: bool = False) -> torch.Tensor:
+              foreign_slots: bool = False, align=moe_align) -> torch.Tensor:
     """x [T, H], topk_idx [T, K] int, topk_weight [T, K] fp32, w_gate_up [E, 2I, H], w_down [E, H, I]
     -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes).
 
     foreign_slots: some ids are E (expert parallel: routed to another rank). The align step never
-    places them, so no GEMM work is spent on them, and they add zero to the combine."""
+    places them, so no GEMM work is spent on them, and they add zero to the combine.
+    align: the align step (`moe_align`; `moe_align.moe_align_scan`, the previous one, to compare)."""
     if not HAVE_TRITON:
         raise RuntimeError("fused_moe needs triton")
     if not x.is_cuda and not _interpret():
@@ -376,7 +274,7 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         x = x.to(w_gate_up.dtype)
     topk_weight = topk_weight.reshape(-1).contiguous()
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
-    sorted_ids, expert_ids, total = moe_align(topk_idx, num_experts, cfg.BLOCK_M)
+    sorted_ids, expert_ids, total = align(topk_idx, num_experts, cfg.BLOCK_M)
     inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg)
     slot_out = down_stage(inter_buf, w_down, topk_weight, sorted_ids, expert_ids, total, cfg, foreign_slots)
     # Combine the K slots of each token in fp32 (reads x.dtype, accumulates fp32) and cast back.
