@@ -62,6 +62,7 @@ def _interpreter_checks() -> None:
 
     _check_align(gen)
     _check_counting_sort_align_gives_the_scan_align_outputs_bit_for_bit(gen)
+    _check_shrunk_row_tiles_give_the_full_tiles_values(gen)
     print("interpreter checks ok")
 
 
@@ -149,6 +150,26 @@ def _check_counting_sort_align_gives_the_scan_align_outputs_bit_for_bit(gen):
         assert torch.allclose(new, ref, rtol=1e-5, atol=1e-5), (new - ref).abs().max().item()
 
 
+def _check_shrunk_row_tiles_give_the_full_tiles_values(gen):
+    """SHRINK1/2: row tiles whose rows fit in half / a quarter of BLOCK_M run a GEMM of that height;
+    every output equals the full-height kernel's and the reference's (masked K tails included)."""
+    from fluxlab.engine.layers.moe import moe_reference
+    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+
+    for num_experts, hidden, inter, top_k, num_tokens in ((8, 64, 32, 2, 40), (4, 64, 32, 2, 150), (4, 80, 48, 2, 45)):
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+        w_down = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+        idx, wts = _routing(num_tokens, num_experts, top_k, gen)
+        ref = moe_reference(x, idx, wts, w_gate_up, w_down)
+        base = dict(BLOCK_M=64, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=32, BLOCK_K2=32, GROUP_M=2)
+        full = fused_moe(x, idx, wts, w_gate_up, w_down, config=MoEConfig(**base))
+        assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5), (full - ref).abs().max().item()
+        for shrink1, shrink2 in ((1, 0), (0, 1), (2, 2)):
+            out = fused_moe(x, idx, wts, w_gate_up, w_down, config=MoEConfig(**base, SHRINK1=shrink1, SHRINK2=shrink2))
+            assert torch.equal(out, full), (num_tokens, shrink1, shrink2, (out - full).abs().max().item())
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")
 def test_fused_moe_matches_reference_interpreter():
     run_interpreter_checks(__file__)
@@ -185,6 +206,16 @@ def test_tuned_table_gives_the_config_of_the_nearest_tuned_token_count(tmp_path,
     assert fm.tuned_config(9000, shape, "Test GPU (tuned)").BLOCK_M == 64
     assert fm.tuned_config(512, fm.shape_key(128, 2048, 512, 8, torch.bfloat16), "Test GPU (tuned)") is None
     assert fm.tuned_config(512, shape, "Untuned GPU") is None
+
+
+def test_a_shrink_below_sixteen_rows_is_refused_naming_the_key():
+    from fluxlab.kernels.fused_moe import MoEConfig
+
+    assert MoEConfig(BLOCK_M=64, SHRINK1=2).SHRINK1 == 2
+    with pytest.raises(ValueError, match="SHRINK2=1 with BLOCK_M=16"):
+        MoEConfig(BLOCK_M=16, SHRINK2=1)
+    with pytest.raises(ValueError, match="SHRINK1=3"):
+        MoEConfig(BLOCK_M=128, SHRINK1=3)
 
 
 def test_shipped_tables_hold_only_valid_configs():

@@ -20,7 +20,10 @@ host synchronisation, so it can be captured in a CUDA graph:
 Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32)`) and cast back.
 
 Row blocks past `total` (and programs whose block is past it) exit at once: the grid is sized by
-the worst case and the work by the device-side count.
+the worst case and the work by the device-side count. With SHRINK1/SHRINK2 > 0 a row block whose
+rows fit in half (a quarter) of BLOCK_M runs a GEMM of that height: a row's value is the same
+either way (each row of a tl.dot is its own dot product, accumulated over K in the same order),
+which tests/test_fused_moe.py checks on the GPU for batches that put a token in either kind.
 
 Tile configs come from a table measured per GPU, expert shape and token count
 (`moe_configs/<GPU>.json`, written by `python -m fluxlab.bench.moe_tune`), else from a heuristic
@@ -63,6 +66,18 @@ class MoEConfig:
     WARPS2: int = 4
     STAGES2: int = 3
     GROUP_M: int = 8
+    # Kernel 1 / kernel 2: a row tile whose rows fit in BLOCK_M / 2**s (s <= SHRINK, at least 16
+    # rows) runs a GEMM of that height, so an expert's last tile skips most of its padding (at
+    # 2048 tokens, BLOCK_M 128 multiplies ~2x the useful rows; ~1.5x with SHRINK 1).
+    SHRINK1: int = 0
+    SHRINK2: int = 0
+
+    def __post_init__(self):
+        for name in ("SHRINK1", "SHRINK2"):
+            shrink = getattr(self, name)
+            if shrink not in (0, 1, 2) or self.BLOCK_M >> shrink < 16:
+                raise ValueError(f"MoEConfig: {name}={shrink} with BLOCK_M={self.BLOCK_M}; {name} is 0, 1 or 2 and "
+                                 f"BLOCK_M / 2**{name} must be at least 16 rows (the smallest tl.dot tile)")
 
 
 def heuristic_config(num_slots: int, num_experts: int) -> MoEConfig:
@@ -155,91 +170,152 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
+    def _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                      stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        # rows row0 .. row0+BLOCK_M-1 (expert *e_ptr), columns pid_n*BLOCK_N.. of gate and of up
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_ids_ptr + offs_m)
+        valid = slot < N
+        tok = (slot // TOPK).to(tl.int64)
+        e = tl.load(e_ptr).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+        bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        bu_ptrs = bg_ptrs + I * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                bg = tl.load(bg_ptrs)
+                bu = tl.load(bu_ptrs)
+            else:
+                k_ok = offs_k < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(bg_ptrs, mask=k_ok[:, None], other=0.0)
+                bu = tl.load(bu_ptrs, mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g)
+                acc_u = tl.dot(a, bu, acc_u)
+            a_ptrs += BLOCK_K
+            bg_ptrs += BLOCK_K * stride_wk
+            bu_ptrs += BLOCK_K * stride_wk
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                         N, TOPK, H, I, num_pid_m,
                         stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                        GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
+                        IEEE: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(I, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slot = tl.load(sorted_ids_ptr + offs_m)
-            valid = slot < N
-            tok = (slot // TOPK).to(tl.int64)
-            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
-            bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            bu_ptrs = bg_ptrs + I * stride_wn
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, tl.cdiv(H, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                    bg = tl.load(bg_ptrs)
-                    bu = tl.load(bu_ptrs)
-                else:
-                    k_ok = offs_k < H - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                    bg = tl.load(bg_ptrs, mask=k_ok[:, None], other=0.0)
-                    bu = tl.load(bu_ptrs, mask=k_ok[:, None], other=0.0)
-                if IEEE:
-                    acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(a, bg, acc_g)
-                    acc_u = tl.dot(a, bu, acc_u)
-                a_ptrs += BLOCK_K
-                bg_ptrs += BLOCK_K * stride_wk
-                bu_ptrs += BLOCK_K * stride_wk
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
+            row0 = pid_m * BLOCK_M
+            e_ptr = expert_ids_ptr + pid_m
+            # An expert's last tile holds its leftover rows first: where they fit in the first half
+            # (quarter), run a half- (quarter-) height GEMM instead of multiplying padding.
+            if SHRINK_M == 0:
+                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
+                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            elif SHRINK_M == 1:
+                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
+                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            else:
+                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+
+    @triton.jit
+    def _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                   stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_ids_ptr + offs_m)
+        valid = slot < N
+        e = tl.load(e_ptr).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_bn = (offs_n % H).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(I, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < I - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wk
+        w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+        o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
 
     @triton.jit
     def _down_kernel(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                      N, H, I, num_pid_m,
                      stride_am, stride_we, stride_wn, stride_wk, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                     GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
+                     IEEE: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(H, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slot = tl.load(sorted_ids_ptr + offs_m)
-            valid = slot < N
-            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_bn = (offs_n % H).to(tl.int64)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-            b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, tl.cdiv(I, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = offs_k < I - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-                if IEEE:
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K * stride_wk
-            w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
-            acc = acc * w[:, None]
-            o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
+            row0 = pid_m * BLOCK_M
+            e_ptr = expert_ids_ptr + pid_m
+            if SHRINK_M == 0:  # as in _gate_up_kernel
+                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
+                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            elif SHRINK_M == 1:
+                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
+                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            else:
+                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,7 +371,7 @@ def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Te
         x, w_gate_up, inter_buf, sorted_ids, expert_ids, total,
         num_tokens * top_k, top_k, hidden, inter, num_pid_m,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M,
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK1,
         EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.WARPS1,
         num_stages=cfg.STAGES1)
     return inter_buf
@@ -317,7 +393,7 @@ def down_stage(inter_buf: torch.Tensor, w_down: torch.Tensor, topk_weight: torch
         inter_buf, w_down, slot_out, topk_weight, sorted_ids, expert_ids, total,
         n, hidden, inter, num_pid_m,
         inter_buf.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), slot_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M,
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK2,
         EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, num_warps=cfg.WARPS2,
         num_stages=cfg.STAGES2)
     return slot_out
