@@ -5,8 +5,9 @@
 
 For each token count T, with random bf16 expert weights and the real router's choices (random gate
 weights, n_group 8 / topk_group 4, top-8 of 256): for each BLOCK_M that suits T's rows per expert,
-times the gate/up kernel over candidate (BLOCK_N, BLOCK_K, warps, stages) and then the down kernel
-over the same candidates on the best gate/up output (the two kernels share only BLOCK_M), each with
+times the gate/up kernel over candidate (BLOCK_N, BLOCK_K, warps, stages), then the best tile with
+each row-tile shrink (SHRINK1 1, 2: half/quarter-height GEMMs for an expert's last tile), and the
+down kernel likewise on the best gate/up output (the two kernels share only BLOCK_M), each with
 triton.testing.do_bench (median). The best BLOCK_M's pair is then timed as a whole layer under a CUDA
 graph beside the heuristic config, checked against it (bf16 tolerance), and kept only where it is
 faster. Writes the table `fused_moe` reads (kernels/moe_configs/<GPU>.json, merged with what is
@@ -31,9 +32,15 @@ TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (12
 
 
 def block_m_candidates(num_tokens: int) -> list[int]:
-    """BLOCK_M near the mean rows per expert (T * K / E): smaller wastes weight reuse, larger pads."""
+    """BLOCK_M near the mean rows per expert (T * K / E): smaller wastes weight reuse, larger pads
+    (up to 4x the mean: a shrunk last tile pads less)."""
     rows = num_tokens * TOP_K / NUM_EXPERTS
-    return [bm for bm in (16, 32, 64, 128) if rows / 4 <= bm <= max(16, 2 * rows)]
+    return [bm for bm in (16, 32, 64, 128) if rows / 4 <= bm <= max(16, 4 * rows)]
+
+
+def shrink_candidates(block_m: int) -> list[int]:
+    """SHRINK1/SHRINK2 values beside 0 for this BLOCK_M (row tiles of at least 16 rows)."""
+    return [s for s in (1, 2) if block_m >> s >= 16]
 
 
 def bench(fn) -> float:
@@ -78,6 +85,14 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
         if not stage1:
             continue
         ms1, cfg1 = min(stage1, key=lambda t: t[0])
+        for shrink in shrink_candidates(bm):
+            cfg = dataclasses.replace(cfg1, SHRINK1=shrink)
+            try:
+                stage1.append((bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)),
+                               cfg))
+            except Exception as err:
+                tried.append({"BLOCK_M": bm, "kernel": 1, "SHRINK1": shrink, "error": repr(err)[:200]})
+        ms1, cfg1 = min(stage1, key=lambda t: t[0])
         inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg1)
         stage2 = []
         for bn, bk, warps, stages in TILES:
@@ -89,6 +104,14 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
                 tried.append({"BLOCK_M": bm, "kernel": 2, "tile": [bn, bk, warps, stages], "error": repr(err)[:200]})
         if not stage2:
             continue
+        ms2, cfg2 = min(stage2, key=lambda t: t[0])
+        for shrink in shrink_candidates(bm):
+            cfg = dataclasses.replace(cfg2, SHRINK2=shrink)
+            try:
+                stage2.append((bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)),
+                               cfg))
+            except Exception as err:
+                tried.append({"BLOCK_M": bm, "kernel": 2, "SHRINK2": shrink, "error": repr(err)[:200]})
         ms2, cfg2 = min(stage2, key=lambda t: t[0])
         tried.append({"BLOCK_M": bm, "align_ms": align_ms, "gate_up_ms": ms1, "down_ms": ms2,
                       "stage1": [[ms, dataclasses.asdict(c)] for ms, c in stage1],
@@ -164,14 +187,16 @@ def main(argv=None) -> dict:
     if out_dir:
         Path(out_dir, "moe_tune.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
     print(f"\nwrote {path}\n")
-    print("| tokens | heuristic ms | tuned ms | floor ms | tuned / floor | config (BM, N1/K1/W1/S1, N2/K2/W2/S2) |")
+    print("| tokens | heuristic ms | tuned ms | floor ms | tuned / floor | config (BM, N1/K1/W1/S1/shrink1, "
+          "N2/K2/W2/S2/shrink2) |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         c = row["chosen"] or {}
         print(f"| {row['tokens']} | {row['heuristic_ms']:.3f} | {row['chosen_ms'] or float('nan'):.3f} | "
               f"{row['floor_ms']:.3f} | {(row['chosen_ms'] or float('nan')) / row['floor_ms']:.2f} | "
-              f"{c.get('BLOCK_M')}, {c.get('BLOCK_N1')}/{c.get('BLOCK_K1')}/{c.get('WARPS1')}/{c.get('STAGES1')}, "
-              f"{c.get('BLOCK_N2')}/{c.get('BLOCK_K2')}/{c.get('WARPS2')}/{c.get('STAGES2')} |")
+              f"{c.get('BLOCK_M')}, {c.get('BLOCK_N1')}/{c.get('BLOCK_K1')}/{c.get('WARPS1')}/{c.get('STAGES1')}/"
+              f"{c.get('SHRINK1')}, {c.get('BLOCK_N2')}/{c.get('BLOCK_K2')}/{c.get('WARPS2')}/{c.get('STAGES2')}/"
+              f"{c.get('SHRINK2')} |")
     return {"rows": rows}
 
 
