@@ -273,10 +273,11 @@ def test_fused_moe_bf16_matches_moe_forward(num_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
-def test_fused_moe_cuda_graph_replay_tracks_new_routing():
+@pytest.mark.parametrize("num_tokens", [32, 2048])   # one align program; several chunks
+def test_fused_moe_cuda_graph_replay_tracks_new_routing(num_tokens):
     from fluxlab.kernels.fused_moe import fused_moe
 
-    x, idx, wts, w_gate_up, w_down = _gpu_case(2048, 512, 32)
+    x, idx, wts, w_gate_up, w_down = _gpu_case(2048, 512, num_tokens)
     eager = fused_moe(x, idx, wts, w_gate_up, w_down)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -289,10 +290,101 @@ def test_fused_moe_cuda_graph_replay_tracks_new_routing():
     graph.replay()
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     # new routing / inputs written in place: the replay must follow (no baked-in counts)
-    x2, idx2, wts2, _, _ = _gpu_case(2048, 512, 32, seed=1)
+    x2, idx2, wts2, _, _ = _gpu_case(2048, 512, num_tokens, seed=1)
     x.copy_(x2), idx.copy_(idx2), wts.copy_(wts2)
     graph.replay()
     torch.testing.assert_close(out, fused_moe(x, idx, wts, w_gate_up, w_down), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
+@pytest.mark.parametrize("num_tokens", [1, 256, 257, 4096])   # one program up to 2048 slots, then chunks
+def test_counting_sort_align_gives_the_scan_align_rows_on_gpu(num_tokens):
+    from fluxlab.kernels.moe_align import moe_align, moe_align_scan
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    routings = [torch.randint(0, 256, (num_tokens, 8), device="cuda", generator=gen),   # repeats allowed
+                torch.randint(0, 257, (num_tokens, 8), device="cuda", generator=gen),   # 256: foreign slots
+                torch.full((num_tokens, 8), 7, device="cuda"),                           # one expert
+                _gpu_case(2048, 512, num_tokens)[1]]                                     # the router's
+    for idx in routings:
+        for bm in (16, 128):
+            new, old = moe_align(idx, 256, bm), moe_align_scan(idx, 256, bm)
+            total = int(old[2])
+            assert int(new[2]) == total
+            assert torch.equal(new[0][:total], old[0][:total]) and torch.equal(new[1][:total // bm], old[1][:total // bm])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
+@pytest.mark.parametrize("num_tokens", [512, 2048, 4096])
+def test_shrunk_row_tiles_give_the_full_height_bits_on_gpu(num_tokens):
+    import dataclasses
+
+    from fluxlab.engine.layers.moe import moe_forward
+    from fluxlab.kernels.fused_moe import MoEConfig, default_config, fused_moe
+    from fluxlab.kernels.moe_align import moe_align_scan
+
+    x, idx, wts, w_gate_up, w_down = _gpu_case(2048, 512, num_tokens)
+    ref = moe_forward(x, idx, wts, w_gate_up, w_down).float()
+    tol = 2e-2 * max(1.0, ref.abs().max().item())
+    table = default_config(num_tokens, 8, 256, 2048, 512, torch.bfloat16, x.device)
+    previous = fused_moe(x, idx, wts, w_gate_up, w_down, config=dataclasses.replace(table, SHRINK1=0, SHRINK2=0),
+                         align=moe_align_scan)
+    if not (table.SHRINK1 or table.SHRINK2):   # the counting-sort align alone changes no value
+        assert torch.equal(fused_moe(x, idx, wts, w_gate_up, w_down, config=table), previous)
+    shrinks = {(128, 1, 1)} | ({(table.BLOCK_M, table.SHRINK1 or 1, table.SHRINK2 or 1)} if table.BLOCK_M >= 32 else set())
+    for bm, shrink1, shrink2 in sorted(shrinks):
+        full = MoEConfig(**{**dataclasses.asdict(table), "BLOCK_M": bm, "SHRINK1": 0, "SHRINK2": 0})
+        want = fused_moe(x, idx, wts, w_gate_up, w_down, config=full)
+        assert (want.float() - ref).abs().max().item() <= tol
+        got = fused_moe(x, idx, wts, w_gate_up, w_down,
+                        config=dataclasses.replace(full, SHRINK1=shrink1, SHRINK2=shrink2))
+        assert torch.equal(got, want), (bm, shrink1, shrink2, (got.float() - want.float()).abs().max().item())
+
+
+def _probe_batches(num_probes=16, hidden=2048, inter=512, num_experts=256, top_k=8, dev="cuda", bf=torch.bfloat16,
+                   sizes=(2048, 512)):
+    """The same probe tokens (routed to experts 0..7) in batches whose other tokens leave those
+    experts nearly empty (short, shrunk last tiles), fill them (full tiles, the probes last), or
+    make a smaller batch; -> weights, [(x, idx, wts, probe rows)]."""
+    gen = torch.Generator(device=dev).manual_seed(5)
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, device=dev, dtype=bf, generator=gen) * hidden ** -0.5
+    w_down = torch.randn(num_experts, hidden, inter, device=dev, dtype=bf, generator=gen) * inter ** -0.5
+    px = torch.randn(num_probes, hidden, device=dev, dtype=bf, generator=gen)
+    pidx = torch.stack([torch.randperm(top_k, device=dev, generator=gen) for _ in range(num_probes)])
+    pw = torch.rand(num_probes, top_k, device=dev, generator=gen) + 0.05
+
+    def others(n, with_probe_experts):
+        x = torch.randn(n, hidden, device=dev, dtype=bf, generator=gen)
+        idx = top_k + torch.stack([torch.randperm(num_experts - top_k, device=dev, generator=gen)[:top_k]
+                                   for _ in range(n)])
+        if with_probe_experts:   # every other token also takes one of experts 0..7 (~n/8 rows each)
+            idx[:, 0] = torch.arange(n, device=dev) % top_k
+        return x, idx, torch.rand(n, top_k, device=dev, generator=gen) + 0.05
+
+    batches = []
+    for n, fill, probes_first in ((sizes[0], False, True), (sizes[0], True, False), (sizes[1], True, True)):
+        ox, oidx, ow = others(n - num_probes, fill)
+        parts = [(px, pidx, pw), (ox, oidx, ow)] if probes_first else [(ox, oidx, ow), (px, pidx, pw)]
+        rows = slice(0, num_probes) if probes_first else slice(n - num_probes, n)
+        batches.append(tuple(torch.cat(t) for t in zip(*parts)) + (rows,))
+    return w_gate_up, w_down, batches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
+@pytest.mark.parametrize("tuned_for", [2048, 4096, None])   # the shipped table's configs; BM 128 + SHRINK 1
+def test_a_tokens_output_does_not_depend_on_the_other_tokens_in_the_batch(tuned_for):
+    from fluxlab.kernels.fused_moe import MoEConfig, default_config, fused_moe
+
+    w_gate_up, w_down, batches = _probe_batches()
+    cfg = (default_config(tuned_for, 8, 256, 2048, 512, torch.bfloat16, w_gate_up.device) if tuned_for else
+           MoEConfig(BLOCK_M=128, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8, BLOCK_N2=128, BLOCK_K2=64, WARPS2=8,
+                     SHRINK1=1, SHRINK2=1))
+    outs = [fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg)[rows] for x, idx, wts, rows in batches]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0]), (cfg, (out.float() - outs[0].float()).abs().max().item())
 
 
 @pytest.mark.gpu

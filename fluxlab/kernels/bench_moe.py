@@ -115,9 +115,12 @@ def _variants(base):
 
     out = [("old", base, moe_align_scan), ("new align", base, moe_align)]
     for bm in sorted({base.BLOCK_M, min(128, 2 * base.BLOCK_M)}):
+        # twice the rows per tile with the table's 4-stage tiles is past the 227 KB of shared memory
+        stages = {} if bm == base.BLOCK_M else {"STAGES1": min(3, base.STAGES1), "STAGES2": min(3, base.STAGES2)}
         for shrink in (1, 2):
             if bm >> shrink >= 16:
-                cfg = MoEConfig(**{**dataclasses.asdict(base), "BLOCK_M": bm, "SHRINK1": shrink, "SHRINK2": shrink})
+                cfg = MoEConfig(**{**dataclasses.asdict(base), "BLOCK_M": bm, "SHRINK1": shrink, "SHRINK2": shrink,
+                                   **stages})
                 out.append((f"BM{bm} shrink{shrink}", cfg, moe_align))
     return out
 
