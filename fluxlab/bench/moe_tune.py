@@ -6,7 +6,8 @@
 For each token count T, with random bf16 expert weights and the real router's choices (random gate
 weights, n_group 8 / topk_group 4, top-8 of 256): for each BLOCK_M that suits T's rows per expert,
 times the gate/up kernel over candidate (BLOCK_N, BLOCK_K, warps, stages), then the best tile with
-each row-tile shrink (SHRINK1 1, 2: half/quarter-height GEMMs for an expert's last tile), and the
+each row-tile shrink (SHRINK1 1, 2: half/quarter-height GEMMs for an expert's last tile), then the
+best of those with its weight tiles through TMA (TMA1, sm90+), and the
 down kernel likewise on the best gate/up output (the two kernels share only BLOCK_M), each with
 triton.testing.do_bench (median). The best BLOCK_M's pair is then timed as a whole layer under a CUDA
 graph beside the heuristic config, checked against it (bf16 tolerance), and kept only where it is
@@ -67,6 +68,7 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
     idx, wts = route(x, gate_w, bias, top_k=TOP_K, n_group=N_GROUP, topk_group=TOPK_GROUP,
                      routed_scaling_factor=SCALE)
     flat_w = wts.reshape(-1).contiguous()
+    tma_ok = torch.cuda.get_device_capability(x.device)[0] >= 9
     tried = []
     best = None
     for bm in block_m_candidates(num_tokens):
@@ -93,6 +95,14 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
             except Exception as err:
                 tried.append({"BLOCK_M": bm, "kernel": 1, "SHRINK1": shrink, "error": repr(err)[:200]})
         ms1, cfg1 = min(stage1, key=lambda t: t[0])
+        if tma_ok:
+            cfg = dataclasses.replace(cfg1, TMA1=1)
+            try:
+                stage1.append((bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)),
+                               cfg))
+            except Exception as err:
+                tried.append({"BLOCK_M": bm, "kernel": 1, "TMA1": 1, "error": repr(err)[:200]})
+            ms1, cfg1 = min(stage1, key=lambda t: t[0])
         inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg1)
         stage2 = []
         for bn, bk, warps, stages in TILES:
@@ -113,6 +123,14 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
             except Exception as err:
                 tried.append({"BLOCK_M": bm, "kernel": 2, "SHRINK2": shrink, "error": repr(err)[:200]})
         ms2, cfg2 = min(stage2, key=lambda t: t[0])
+        if tma_ok:
+            cfg = dataclasses.replace(cfg2, TMA2=1)
+            try:
+                stage2.append((bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)),
+                               cfg))
+            except Exception as err:
+                tried.append({"BLOCK_M": bm, "kernel": 2, "TMA2": 1, "error": repr(err)[:200]})
+            ms2, cfg2 = min(stage2, key=lambda t: t[0])
         tried.append({"BLOCK_M": bm, "align_ms": align_ms, "gate_up_ms": ms1, "down_ms": ms2,
                       "stage1": [[ms, dataclasses.asdict(c)] for ms, c in stage1],
                       "stage2": [[ms, dataclasses.asdict(c)] for ms, c in stage2]})
@@ -187,16 +205,16 @@ def main(argv=None) -> dict:
     if out_dir:
         Path(out_dir, "moe_tune.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
     print(f"\nwrote {path}\n")
-    print("| tokens | heuristic ms | tuned ms | floor ms | tuned / floor | config (BM, N1/K1/W1/S1/shrink1, "
-          "N2/K2/W2/S2/shrink2) |")
+    print("| tokens | heuristic ms | tuned ms | floor ms | tuned / floor | config (BM, N1/K1/W1/S1/shrink1/tma1, "
+          "N2/K2/W2/S2/shrink2/tma2) |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         c = row["chosen"] or {}
         print(f"| {row['tokens']} | {row['heuristic_ms']:.3f} | {row['chosen_ms'] or float('nan'):.3f} | "
               f"{row['floor_ms']:.3f} | {(row['chosen_ms'] or float('nan')) / row['floor_ms']:.2f} | "
               f"{c.get('BLOCK_M')}, {c.get('BLOCK_N1')}/{c.get('BLOCK_K1')}/{c.get('WARPS1')}/{c.get('STAGES1')}/"
-              f"{c.get('SHRINK1')}, {c.get('BLOCK_N2')}/{c.get('BLOCK_K2')}/{c.get('WARPS2')}/{c.get('STAGES2')}/"
-              f"{c.get('SHRINK2')} |")
+              f"{c.get('SHRINK1')}/{c.get('TMA1')}, {c.get('BLOCK_N2')}/{c.get('BLOCK_K2')}/{c.get('WARPS2')}/"
+              f"{c.get('STAGES2')}/{c.get('SHRINK2')}/{c.get('TMA2')} |")
     return {"rows": rows}
 
 

@@ -15,7 +15,8 @@ fused_moe tile configs per (shape, T) under a graph and reports the best (slower
 
 `--old-vs-new` (mini shape, --tokens) times, in one run, the previous kernel (the scan align,
 `moe_align_scan`, with the GPU's table config and no row-tile shrink) against the counting-sort
-align with that config and with SHRINK1/SHRINK2 (also at twice the table's BLOCK_M), each a whole
+align with that config, with SHRINK1/SHRINK2 (also at twice the table's BLOCK_M) and with TMA1/TMA2
+(sm90+; with and without a shrink), each a whole
 layer under CUDA-graph replay, plus each variant's align / gate-up / down alone (do_bench), the
 floor beside each; "same bits" says whether a variant's output equals, bit for bit, the previous
 kernel's at the same BLOCK_M without shrink (a row's value must not depend on the height of the
@@ -114,6 +115,10 @@ def _variants(base):
     from fluxlab.kernels.moe_align import moe_align, moe_align_scan
 
     out = [("old", base, moe_align_scan), ("new align", base, moe_align)]
+    if torch.cuda.get_device_capability()[0] >= 9:   # weight tiles through TMA, with and without a shrink
+        for shrink in (0, 1) if base.BLOCK_M >= 32 else (0,):
+            cfg = dataclasses.replace(base, SHRINK1=shrink, SHRINK2=shrink, TMA1=1, TMA2=1)
+            out.append((f"BM{base.BLOCK_M} {f'shrink{shrink} ' if shrink else ''}tma", cfg, moe_align))
     for bm in sorted({base.BLOCK_M, min(128, 2 * base.BLOCK_M)}):
         # twice the rows per tile with the table's 4-stage tiles is past the 227 KB of shared memory
         stages = {} if bm == base.BLOCK_M else {"STAGES1": min(3, base.STAGES1), "STAGES2": min(3, base.STAGES2)}

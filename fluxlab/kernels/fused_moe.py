@@ -24,6 +24,8 @@ the worst case and the work by the device-side count. With SHRINK1/SHRINK2 > 0 a
 rows fit in half (a quarter) of BLOCK_M runs a GEMM of that height: a row's value is the same
 either way (each row of a tl.dot is its own dot product, accumulated over K in the same order),
 which tests/test_fused_moe.py checks on the GPU for batches that put a token in either kind.
+With TMA1/TMA2 (sm90+) the weight tiles are loaded through a TMA tensor descriptor instead of
+pointer loads; the activations stay gathered pointer loads.
 
 Tile configs come from a table measured per GPU, expert shape and token count
 (`moe_configs/<GPU>.json`, written by `python -m fluxlab.bench.moe_tune`), else from a heuristic
@@ -71,8 +73,15 @@ class MoEConfig:
     # 2048 tokens, BLOCK_M 128 multiplies ~2x the useful rows; ~1.5x with SHRINK 1).
     SHRINK1: int = 0
     SHRINK2: int = 0
+    # Kernel 1 / kernel 2: 1 = weight tiles through a TMA tensor descriptor (sm90+) instead of
+    # pointer loads (fewer registers and address instructions per tile).
+    TMA1: int = 0
+    TMA2: int = 0
 
     def __post_init__(self):
+        for name in ("TMA1", "TMA2"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"MoEConfig: {name}={getattr(self, name)}; {name} is 0 or 1")
         for name in ("SHRINK1", "SHRINK2"):
             shrink = getattr(self, name)
             if shrink not in (0, 1, 2) or self.BLOCK_M >> shrink < 16:
@@ -170,26 +179,38 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+    def _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                       stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-        # rows row0 .. row0+BLOCK_M-1 (expert *e_ptr), columns pid_n*BLOCK_N.. of gate and of up
+                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+        # rows row0 .. row0+BLOCK_M-1 (expert *e_ptr), columns pid_n*BLOCK_N.. of gate and of up.
+        # TMA: the weight tiles come through w_desc (w as [E*2I, H]); columns past I read the next
+        # rows (or zeros past the end), only ever into output columns the store masks.
         offs_m = row0 + tl.arange(0, BLOCK_M)
         slot = tl.load(sorted_ids_ptr + offs_m)
         valid = slot < N
         tok = (slot // TOPK).to(tl.int64)
         e = tl.load(e_ptr).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
-        bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        bu_ptrs = bg_ptrs + I * stride_wn
+        if TMA:
+            w_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
+        else:
+            offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
+            bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            bu_ptrs = bg_ptrs + I * stride_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
-            if EVEN_K:
+            if TMA:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < H - k * BLOCK_K), other=0.0)
+                bg = w_desc.load([w_row, k * BLOCK_K]).T
+                bu = w_desc.load([w_row + I, k * BLOCK_K]).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                 bg = tl.load(bg_ptrs)
                 bu = tl.load(bu_ptrs)
@@ -205,19 +226,20 @@ if HAVE_TRITON:
                 acc_g = tl.dot(a, bg, acc_g)
                 acc_u = tl.dot(a, bu, acc_u)
             a_ptrs += BLOCK_K
-            bg_ptrs += BLOCK_K * stride_wk
-            bu_ptrs += BLOCK_K * stride_wk
+            if not TMA:
+                bg_ptrs += BLOCK_K * stride_wk
+                bu_ptrs += BLOCK_K * stride_wk
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+    def _gate_up_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                         N, TOPK, H, I, num_pid_m,
                         stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        IEEE: tl.constexpr, TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(I, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -228,43 +250,52 @@ if HAVE_TRITON:
             # An expert's last tile holds its leftover rows first: where they fit in the first half
             # (quarter), run a half- (quarter-) height GEMM instead of multiplying padding.
             if SHRINK_M == 0:
-                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
-                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             elif SHRINK_M == 1:
-                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
-                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             else:
-                _gate_up_rows(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                              BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
 
     @triton.jit
-    def _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+    def _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
                    stride_am, stride_we, stride_wn, stride_wk, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                   EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
         offs_m = row0 + tl.arange(0, BLOCK_M)
         slot = tl.load(sorted_ids_ptr + offs_m)
         valid = slot < N
         e = tl.load(e_ptr).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_bn = (offs_n % H).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        if TMA:   # w as [E*H, I], as in _gate_up_rows
+            w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
+        else:
+            offs_bn = (offs_n % H).to(tl.int64)
+            b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
+            if TMA:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < I - k * BLOCK_K), other=0.0)
+                b = w_desc.load([w_row, k * BLOCK_K]).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                 b = tl.load(b_ptrs)
             else:
@@ -276,19 +307,20 @@ if HAVE_TRITON:
             else:
                 acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wk
+            if not TMA:
+                b_ptrs += BLOCK_K * stride_wk
         w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
         o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
 
     @triton.jit
-    def _down_kernel(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+    def _down_kernel(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                      N, H, I, num_pid_m,
                      stride_am, stride_we, stride_wn, stride_wk, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(H, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -297,25 +329,25 @@ if HAVE_TRITON:
             row0 = pid_m * BLOCK_M
             e_ptr = expert_ids_ptr + pid_m
             if SHRINK_M == 0:  # as in _gate_up_kernel
-                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
                            stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
-                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
                            stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             elif SHRINK_M == 1:
-                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
                            stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
-                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
                            stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
             else:
-                _down_rows(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
                            stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                           BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,6 +389,18 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     return torch.sum(slot_out.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(out_dtype)
 
 
+def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor over the stacked expert weights as one [E*N, K] matrix, [block_n, block_k]
+    tiles (host-side: a kernel argument by value, so a CUDA graph keeps it)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not w.is_contiguous():
+        raise ValueError("MoEConfig TMA1/TMA2: the expert weights must be contiguous for a TMA descriptor")
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        raise ValueError("MoEConfig TMA1/TMA2: TMA needs sm90 or newer (Hopper); set them to 0 on this GPU")
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+
+
 def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                   total: torch.Tensor, top_k: int, cfg: MoEConfig) -> torch.Tensor:
     """silu(gate) * up of every aligned row -> [rows, I] in x.dtype (kernel 1; a stage of its own so
@@ -368,12 +412,12 @@ def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Te
     inter_buf = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     grid = (num_pid_m * triton.cdiv(inter, cfg.BLOCK_N1),)
     _gate_up_kernel[grid](
-        x, w_gate_up, inter_buf, sorted_ids, expert_ids, total,
+        x, w_gate_up, _weight_tiles(w_gate_up, cfg.BLOCK_N1, cfg.BLOCK_K1) if cfg.TMA1 else None, inter_buf, sorted_ids, expert_ids, total,
         num_tokens * top_k, top_k, hidden, inter, num_pid_m,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK1,
-        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.WARPS1,
-        num_stages=cfg.STAGES1)
+        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, TMA=bool(cfg.TMA1),
+        num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
     return inter_buf
 
 
@@ -390,12 +434,12 @@ def down_stage(inter_buf: torch.Tensor, w_down: torch.Tensor, topk_weight: torch
                                                                 device=inter_buf.device)
     grid = (num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)
     _down_kernel[grid](
-        inter_buf, w_down, slot_out, topk_weight, sorted_ids, expert_ids, total,
+        inter_buf, w_down, _weight_tiles(w_down, cfg.BLOCK_N2, cfg.BLOCK_K2) if cfg.TMA2 else None, slot_out, topk_weight, sorted_ids, expert_ids, total,
         n, hidden, inter, num_pid_m,
         inter_buf.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), slot_out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK2,
-        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, num_warps=cfg.WARPS2,
-        num_stages=cfg.STAGES2)
+        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, TMA=bool(cfg.TMA2),
+        num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
     return slot_out
 
 
