@@ -16,8 +16,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-echo "== 1. GPU tests (timeout 80 s)"
-timeout 80 python -m pytest -q -m gpu tests/test_fused_moe.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+echo "== 1. GPU tests (timeout 75 s)"
+timeout 75 python -m pytest -q -m gpu tests/test_fused_moe.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "pytest exit ${PIPESTATUS[0]}"
 
 echo "== 2. batch size vs bits under the shipped table (timeout 20 s)"
@@ -41,7 +41,7 @@ for t, out in outs.items():
           f"same bits {same}, max diff {diff:.2e}")
 EOF
 
-echo "== 3. MoE layer, previous kernel vs new (timeout 90 s)"
-timeout 90 python -m fluxlab.kernels.bench_moe --old-vs-new --tokens 512,1024,2048,4096 --iters 20 \
+echo "== 3. MoE layer, previous kernel vs new (timeout 100 s)"
+timeout 100 python -m fluxlab.kernels.bench_moe --old-vs-new --tokens 512,1024,2048,4096 --iters 20 \
   --write-table "$OUT/NVIDIA_H200.json" 2>&1 | tee "$OUT/moe_old_vs_new.log" | tail -8
 echo "bench exit ${PIPESTATUS[0]}; files in $OUT"
