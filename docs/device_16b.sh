@@ -11,17 +11,17 @@
 # NVIDIA_H200.json (copy it to fluxlab/kernels/moe_configs/ if its rows say so).
 set -u
 OUT=${OUT:-$(mktemp -d)}
-export OUT
+export OUT PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 echo "== 1. GPU tests (timeout 75 s)"
-timeout 75 python -m pytest -q -m gpu tests/test_fused_moe.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+timeout 75 python3 -m pytest -q -m gpu tests/test_fused_moe.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "pytest exit ${PIPESTATUS[0]}"
 
 echo "== 2. batch size vs bits under the shipped table (timeout 20 s)"
-timeout 20 python - <<'EOF' 2>&1 | tee "$OUT/batch_size_bits.log"
+timeout 20 python3 - <<'EOF' 2>&1 | tee "$OUT/batch_size_bits.log"
 import torch
 from fluxlab.engine.layers.moe import route
 from fluxlab.kernels.fused_moe import default_config, fused_moe
@@ -42,6 +42,6 @@ for t, out in outs.items():
 EOF
 
 echo "== 3. MoE layer, previous kernel vs new (timeout 100 s)"
-timeout 100 python -m fluxlab.kernels.bench_moe --old-vs-new --tokens 512,1024,2048,4096 --iters 20 \
+timeout 100 python3 -m fluxlab.kernels.bench_moe --old-vs-new --tokens 512,1024,2048,4096 --iters 20 \
   --write-table "$OUT/NVIDIA_H200.json" 2>&1 | tee "$OUT/moe_old_vs_new.log" | tail -8
 echo "bench exit ${PIPESTATUS[0]}; files in $OUT"
