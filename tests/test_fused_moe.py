@@ -373,42 +373,15 @@ def test_shrunk_row_tiles_give_the_full_height_bits_on_gpu(num_tokens):
         assert (got.float() - ref).abs().max().item() <= tol
 
 
-def _probe_batches(num_probes=16, hidden=2048, inter=512, num_experts=256, top_k=8, dev="cuda", bf=torch.bfloat16,
-                   sizes=(2048, 512)):
-    """The same probe tokens (routed to experts 0..7) in batches whose other tokens leave those
-    experts nearly empty (short, shrunk last tiles), fill them (full tiles, the probes last), or
-    make a smaller batch; -> weights, [(x, idx, wts, probe rows)]."""
-    gen = torch.Generator(device=dev).manual_seed(5)
-    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, device=dev, dtype=bf, generator=gen) * hidden ** -0.5
-    w_down = torch.randn(num_experts, hidden, inter, device=dev, dtype=bf, generator=gen) * inter ** -0.5
-    px = torch.randn(num_probes, hidden, device=dev, dtype=bf, generator=gen)
-    pidx = torch.stack([torch.randperm(top_k, device=dev, generator=gen) for _ in range(num_probes)])
-    pw = torch.rand(num_probes, top_k, device=dev, generator=gen) + 0.05
-
-    def others(n, with_probe_experts):
-        x = torch.randn(n, hidden, device=dev, dtype=bf, generator=gen)
-        idx = top_k + torch.stack([torch.randperm(num_experts - top_k, device=dev, generator=gen)[:top_k]
-                                   for _ in range(n)])
-        if with_probe_experts:   # every other token also takes one of experts 0..7 (~n/8 rows each)
-            idx[:, 0] = torch.arange(n, device=dev) % top_k
-        return x, idx, torch.rand(n, top_k, device=dev, generator=gen) + 0.05
-
-    batches = []
-    for n, fill, probes_first in ((sizes[0], False, True), (sizes[0], True, False), (sizes[1], True, True)):
-        ox, oidx, ow = others(n - num_probes, fill)
-        parts = [(px, pidx, pw), (ox, oidx, ow)] if probes_first else [(ox, oidx, ow), (px, pidx, pw)]
-        rows = slice(0, num_probes) if probes_first else slice(n - num_probes, n)
-        batches.append(tuple(torch.cat(t) for t in zip(*parts)) + (rows,))
-    return w_gate_up, w_down, batches
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
 @pytest.mark.parametrize("tuned_for", [2048, 4096, None])   # the shipped table's configs; BM 128 + SHRINK 1
 def test_a_tokens_output_does_not_depend_on_the_other_tokens_in_the_batch(tuned_for):
+    from fluxlab.kernels.bench_moe import probe_batches
     from fluxlab.kernels.fused_moe import MoEConfig, default_config, fused_moe
 
-    w_gate_up, w_down, batches = _probe_batches()
+    _, _, _, w_gate_up, w_down = _gpu_case(2048, 512, 1)
+    batches = probe_batches(2048)
     cfg = (default_config(tuned_for, 8, 256, 2048, 512, torch.bfloat16, w_gate_up.device) if tuned_for else
            MoEConfig(BLOCK_M=128, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8, BLOCK_N2=128, BLOCK_K2=64, WARPS2=8,
                      SHRINK1=1, SHRINK2=1))
