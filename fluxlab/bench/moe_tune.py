@@ -56,6 +56,22 @@ def graph_ms(fn, iters: int = 20) -> float:
     return _time_graph(fn, iters)
 
 
+def _time_candidates(stage: list, configs: list, run, tried: list, kernel: int):
+    """Appends (ms, config) to stage for each config that runs (else its error to tried); -> the
+    best so far, None if none ran."""
+    for cfg in configs:
+        try:
+            stage.append((bench(lambda: run(cfg)), cfg))
+        except Exception as err:  # out of shared memory / registers: not a candidate
+            tried.append({"BLOCK_M": cfg.BLOCK_M, "kernel": kernel, "config": dataclasses.asdict(cfg),
+                          "error": repr(err)[:200]})
+    return _best(stage) if stage else None
+
+
+def _best(stage: list):
+    return min(stage, key=lambda t: t[0])[1]
+
+
 def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
     from fluxlab.engine.layers.moe import route
     from fluxlab.kernels.fused_moe import (MoEConfig, down_stage, fused_moe, gate_up_stage, heuristic_config,
@@ -76,61 +92,34 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
             break
         sorted_ids, expert_ids, total = moe_align(idx, NUM_EXPERTS, bm)
         align_ms = bench(lambda: moe_align(idx, NUM_EXPERTS, bm))
+
+        def run1(cfg):
+            return gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)
+
+        # gate/up: the tiles, then the best tile's shrinks, then the best of those through TMA
         stage1 = []
-        for bn, bk, warps, stages in TILES:
-            cfg = MoEConfig(BLOCK_M=bm, BLOCK_N1=bn, BLOCK_K1=bk, WARPS1=warps, STAGES1=stages)
-            try:
-                stage1.append((bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)),
-                               cfg))
-            except Exception as err:  # out of shared memory / registers: not a candidate
-                tried.append({"BLOCK_M": bm, "kernel": 1, "tile": [bn, bk, warps, stages], "error": repr(err)[:200]})
-        if not stage1:
+        if _time_candidates(stage1, [MoEConfig(BLOCK_M=bm, BLOCK_N1=bn, BLOCK_K1=bk, WARPS1=warps, STAGES1=stages)
+                                     for bn, bk, warps, stages in TILES], run1, tried, 1) is None:
             continue
-        ms1, cfg1 = min(stage1, key=lambda t: t[0])
-        for shrink in shrink_candidates(bm):
-            cfg = dataclasses.replace(cfg1, SHRINK1=shrink)
-            try:
-                stage1.append((bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)),
-                               cfg))
-            except Exception as err:
-                tried.append({"BLOCK_M": bm, "kernel": 1, "SHRINK1": shrink, "error": repr(err)[:200]})
-        ms1, cfg1 = min(stage1, key=lambda t: t[0])
+        _time_candidates(stage1, [dataclasses.replace(_best(stage1), SHRINK1=s) for s in shrink_candidates(bm)],
+                         run1, tried, 1)
         if tma_ok:
-            cfg = dataclasses.replace(cfg1, TMA1=1)
-            try:
-                stage1.append((bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)),
-                               cfg))
-            except Exception as err:
-                tried.append({"BLOCK_M": bm, "kernel": 1, "TMA1": 1, "error": repr(err)[:200]})
-            ms1, cfg1 = min(stage1, key=lambda t: t[0])
-        inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg1)
-        stage2 = []
-        for bn, bk, warps, stages in TILES:
-            cfg = dataclasses.replace(cfg1, BLOCK_N2=bn, BLOCK_K2=bk, WARPS2=warps, STAGES2=stages)
-            try:
-                stage2.append((bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)),
-                               cfg))
-            except Exception as err:
-                tried.append({"BLOCK_M": bm, "kernel": 2, "tile": [bn, bk, warps, stages], "error": repr(err)[:200]})
-        if not stage2:
+            _time_candidates(stage1, [dataclasses.replace(_best(stage1), TMA1=1)], run1, tried, 1)
+        ms1, cfg1 = min(stage1, key=lambda t: t[0])
+        inter_buf = run1(cfg1)
+
+        def run2(cfg):
+            return down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)
+
+        stage2 = []   # down: likewise, on the best gate/up output
+        if _time_candidates(stage2, [dataclasses.replace(cfg1, BLOCK_N2=bn, BLOCK_K2=bk, WARPS2=warps, STAGES2=stages)
+                                     for bn, bk, warps, stages in TILES], run2, tried, 2) is None:
             continue
-        ms2, cfg2 = min(stage2, key=lambda t: t[0])
-        for shrink in shrink_candidates(bm):
-            cfg = dataclasses.replace(cfg2, SHRINK2=shrink)
-            try:
-                stage2.append((bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)),
-                               cfg))
-            except Exception as err:
-                tried.append({"BLOCK_M": bm, "kernel": 2, "SHRINK2": shrink, "error": repr(err)[:200]})
-        ms2, cfg2 = min(stage2, key=lambda t: t[0])
+        _time_candidates(stage2, [dataclasses.replace(_best(stage2), SHRINK2=s) for s in shrink_candidates(bm)],
+                         run2, tried, 2)
         if tma_ok:
-            cfg = dataclasses.replace(cfg2, TMA2=1)
-            try:
-                stage2.append((bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)),
-                               cfg))
-            except Exception as err:
-                tried.append({"BLOCK_M": bm, "kernel": 2, "TMA2": 1, "error": repr(err)[:200]})
-            ms2, cfg2 = min(stage2, key=lambda t: t[0])
+            _time_candidates(stage2, [dataclasses.replace(_best(stage2), TMA2=1)], run2, tried, 2)
+        ms2, cfg2 = min(stage2, key=lambda t: t[0])
         tried.append({"BLOCK_M": bm, "align_ms": align_ms, "gate_up_ms": ms1, "down_ms": ms2,
                       "stage1": [[ms, dataclasses.asdict(c)] for ms, c in stage1],
                       "stage2": [[ms, dataclasses.asdict(c)] for ms, c in stage2]})
