@@ -21,9 +21,11 @@ Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32
 
 Row blocks past `total` (and programs whose block is past it) exit at once: the grid is sized by
 the worst case and the work by the device-side count. With SHRINK1/SHRINK2 > 0 a row block whose
-rows fit in half (a quarter) of BLOCK_M runs a GEMM of that height: a row's value is the same
-either way (each row of a tl.dot is its own dot product, accumulated over K in the same order),
-which tests/test_fused_moe.py checks on the GPU for batches that put a token in either kind.
+rows fit in half (a quarter) of BLOCK_M runs a GEMM of that height. A row's value should not
+change (each row of a tl.dot is its own dot product, accumulated over K in the same order), but
+the smaller tile may get another MMA instruction (mma.sync below 64 rows on sm90, wgmma above),
+so tests/test_fused_moe.py and `bench_moe --old-vs-new` check the bits on the GPU, and a table
+ships only shrinks that kept them.
 With TMA1/TMA2 (sm90+) the weight tiles are loaded through a TMA tensor descriptor instead of
 pointer loads; the activations stay gathered pointer loads.
 
