@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16b on one H200 (torch 2.11 + triton 3.6; PYTHONPATH set by the caller), from the repo root,
-# <= ~195 s. Three independent parts, each under its own timeout:
+# <= ~195 s. Three independent parts, each under its own timeout (SIGINT first: pytest and the bench
+# still print what they finished):
 #   1. the GPU tests of tests/test_fused_moe.py (align vs scan align, shrink vs full height, a
 #      token's output vs the other tokens in its batch, graphs, bf16 vs moe_forward);
 #   2. informational: does a token's output change with the batch size under the shipped table
@@ -16,8 +17,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-echo "== 1. GPU tests (timeout 75 s)"
-timeout 75 python3 -m pytest -q -m gpu tests/test_fused_moe.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+echo "== 1. GPU tests (timeout 70 s)"
+timeout -s INT -k 5 70 python3 -m pytest -q -m gpu tests/test_fused_moe.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "pytest exit ${PIPESTATUS[0]}"
 
 echo "== 2. batch size vs bits under the shipped table (timeout 20 s)"
@@ -41,7 +42,7 @@ for t, out in outs.items():
           f"same bits {same}, max diff {diff:.2e}")
 EOF
 
-echo "== 3. MoE layer, previous kernel vs new (timeout 100 s)"
-timeout 100 python3 -m fluxlab.kernels.bench_moe --old-vs-new --tokens 512,1024,2048,4096 --iters 20 \
+echo "== 3. MoE layer, previous kernel vs new (timeout 95 s; SIGINT keeps the rows done)"
+timeout -s INT -k 5 95 python3 -m fluxlab.kernels.bench_moe --old-vs-new --tokens 2048,4096,1024,512 --iters 20 \
   --write-table "$OUT/NVIDIA_H200.json" 2>&1 | tee "$OUT/moe_old_vs_new.log" | tail -8
 echo "bench exit ${PIPESTATUS[0]}; files in $OUT"

@@ -156,14 +156,77 @@ def _variants(base):
     return out
 
 
+def _old_vs_new_row(t: int, iters: int, ceil: dict, weights, probes, dev, bf) -> dict:
+    import triton
+
+    from fluxlab.engine.layers.moe import moe_forward, route
+    from fluxlab.kernels.fused_moe import default_config, down_stage, fused_moe, gate_up_stage
+    from fluxlab.kernels.moe_align import moe_align_scan
+
+    w_gate_up, w_down, gate_w, bias = weights
+    hidden, inter = w_gate_up.shape[2], w_down.shape[2]
+    x = torch.randn(t, hidden, device=dev, dtype=bf)
+    idx, wts = route(x, gate_w, bias, top_k=TOP_K, n_group=N_GROUP, topk_group=TOPK_GROUP,
+                     routed_scaling_factor=SCALE)
+    flat_w = wts.reshape(-1).contiguous()
+    hit = int(torch.unique(idx).numel())
+    ref = moe_forward(x, idx, wts, w_gate_up, w_down).float()
+    tol = 2e-2 * max(1.0, ref.abs().max().item())
+    table_cfg = default_config(t, TOP_K, NUM_EXPERTS, hidden, inter, bf, x.device)
+    base = dataclasses.replace(table_cfg, SHRINK1=0, SHRINK2=0)
+    full_height = {}
+    row = {"tokens": t, "experts_hit": hit, "floor_ms": _floor_ms(ceil, t, hit, hidden, inter),
+           "table_config": dataclasses.asdict(table_cfg), "variants": []}
+    for name, cfg, align in _variants(base):
+        entry = {"name": name, "config": dataclasses.asdict(cfg)}
+        try:
+            out = fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg, align=align)
+            # A shrink must not change a value (else a token's output would depend on how many
+            # other tokens share its experts): compare with the same BLOCK_M at full height; the
+            # new align with the previous kernel's output.
+            full_cfg = dataclasses.replace(cfg, SHRINK1=0, SHRINK2=0)
+            if full_cfg not in full_height:
+                full_height[full_cfg] = fused_moe(x, idx, wts, w_gate_up, w_down, config=full_cfg,
+                                                  align=moe_align_scan)
+            entry["same_bits"] = bool(torch.equal(out, full_height[full_cfg]))
+            probe_outs = [fused_moe(px, pidx, pw, w_gate_up, w_down, config=cfg, align=align)[rows]
+                          for px, pidx, pw, rows in probes]
+            entry["batch_invariant"] = all(torch.equal(o, probe_outs[0]) for o in probe_outs[1:])
+            entry["err"] = (out.float() - ref).abs().max().item()
+            entry["ok"] = entry["err"] <= tol
+            entry["graph_ms"] = _time_graph(lambda: fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg,
+                                                              align=align), iters)
+            sorted_ids, expert_ids, total = align(idx, NUM_EXPERTS, cfg.BLOCK_M)
+            inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)
+            bench = functools.partial(triton.testing.do_bench, warmup=10, rep=40, return_mode="median")
+            entry["align_ms"] = bench(lambda: align(idx, NUM_EXPERTS, cfg.BLOCK_M))
+            entry["gate_up_ms"] = bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K,
+                                                              cfg))
+            entry["down_ms"] = bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total,
+                                                        cfg))
+        except Exception as exc:  # report, keep going
+            entry["error"] = repr(exc)[:300]
+        row["variants"].append(entry)
+    good = [v for v in row["variants"][1:] if v.get("graph_ms") and v["same_bits"] and v["batch_invariant"]
+            and v["ok"]]
+    row["best"] = min(good, key=lambda v: v["graph_ms"]) if good else None
+    for v in row["variants"]:
+        if "error" in v:
+            print(f"T={t} {v['name']}: {v['error']}", flush=True)
+        else:
+            print(f"T={t:5d} {v['name']:16} {v['graph_ms']:.3f} ms (align {v['align_ms']:.3f}, gate-up "
+                  f"{v['gate_up_ms']:.3f}, down {v['down_ms']:.3f}) same bits {v['same_bits']} batch-invariant "
+                  f"{v['batch_invariant']} err {v['err']:.2e}",
+                  flush=True)
+    del x, idx, wts, ref
+    return row
+
+
 def old_vs_new(tokens: list[int], iters: int, table_out: str | None, device: str = "cuda",
                dtype: torch.dtype = torch.bfloat16) -> dict:
     import triton
 
-    from fluxlab.engine.layers.moe import moe_forward, route
-    from fluxlab.kernels.fused_moe import (default_config, device_table_path, down_stage, fused_moe, gate_up_stage,
-                                           shape_key)
-    from fluxlab.kernels.moe_align import moe_align_scan
+    from fluxlab.kernels.fused_moe import device_table_path, shape_key
 
     torch.manual_seed(0)
     dev, bf = device, dtype
@@ -175,62 +238,11 @@ def old_vs_new(tokens: list[int], iters: int, table_out: str | None, device: str
     bias = torch.randn(NUM_EXPERTS, device=dev) * 0.01
     probes = probe_batches(hidden, NUM_EXPERTS, TOP_K, device=dev, dtype=bf)
     rows = []
-    for t in tokens:
-        x = torch.randn(t, hidden, device=dev, dtype=bf)
-        idx, wts = route(x, gate_w, bias, top_k=TOP_K, n_group=N_GROUP, topk_group=TOPK_GROUP,
-                         routed_scaling_factor=SCALE)
-        flat_w = wts.reshape(-1).contiguous()
-        hit = int(torch.unique(idx).numel())
-        ref = moe_forward(x, idx, wts, w_gate_up, w_down).float()
-        tol = 2e-2 * max(1.0, ref.abs().max().item())
-        table_cfg = default_config(t, TOP_K, NUM_EXPERTS, hidden, inter, bf, x.device)
-        base = dataclasses.replace(table_cfg, SHRINK1=0, SHRINK2=0)
-        full_height = {}
-        row = {"tokens": t, "experts_hit": hit, "floor_ms": _floor_ms(ceil, t, hit, hidden, inter),
-               "table_config": dataclasses.asdict(table_cfg), "variants": []}
-        for name, cfg, align in _variants(base):
-            entry = {"name": name, "config": dataclasses.asdict(cfg)}
-            try:
-                out = fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg, align=align)
-                # A shrink must not change a value (else a token's output would depend on how many
-                # other tokens share its experts): compare with the same BLOCK_M at full height; the
-                # new align with the previous kernel's output.
-                full_cfg = dataclasses.replace(cfg, SHRINK1=0, SHRINK2=0)
-                if full_cfg not in full_height:
-                    full_height[full_cfg] = fused_moe(x, idx, wts, w_gate_up, w_down, config=full_cfg,
-                                                      align=moe_align_scan)
-                entry["same_bits"] = bool(torch.equal(out, full_height[full_cfg]))
-                probe_outs = [fused_moe(px, pidx, pw, w_gate_up, w_down, config=cfg, align=align)[rows]
-                              for px, pidx, pw, rows in probes]
-                entry["batch_invariant"] = all(torch.equal(o, probe_outs[0]) for o in probe_outs[1:])
-                entry["err"] = (out.float() - ref).abs().max().item()
-                entry["ok"] = entry["err"] <= tol
-                entry["graph_ms"] = _time_graph(lambda: fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg,
-                                                                  align=align), iters)
-                sorted_ids, expert_ids, total = align(idx, NUM_EXPERTS, cfg.BLOCK_M)
-                inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)
-                bench = functools.partial(triton.testing.do_bench, warmup=10, rep=40, return_mode="median")
-                entry["align_ms"] = bench(lambda: align(idx, NUM_EXPERTS, cfg.BLOCK_M))
-                entry["gate_up_ms"] = bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K,
-                                                                  cfg))
-                entry["down_ms"] = bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total,
-                                                            cfg))
-            except Exception as exc:  # report, keep going
-                entry["error"] = repr(exc)[:300]
-            row["variants"].append(entry)
-        good = [v for v in row["variants"][1:] if v.get("graph_ms") and v["same_bits"] and v["batch_invariant"]
-                and v["ok"]]
-        row["best"] = min(good, key=lambda v: v["graph_ms"]) if good else None
-        rows.append(row)
-        for v in row["variants"]:
-            if "error" in v:
-                print(f"T={t} {v['name']}: {v['error']}", flush=True)
-            else:
-                print(f"T={t:5d} {v['name']:16} {v['graph_ms']:.3f} ms (align {v['align_ms']:.3f}, gate-up "
-                      f"{v['gate_up_ms']:.3f}, down {v['down_ms']:.3f}) same bits {v['same_bits']} batch-invariant "
-                      f"{v['batch_invariant']} err {v['err']:.2e}",
-                      flush=True)
-        del x, idx, wts, ref
+    try:
+        for t in tokens:
+            rows.append(_old_vs_new_row(t, iters, ceil, (w_gate_up, w_down, gate_w, bias), probes, dev, bf))
+    except KeyboardInterrupt:   # `timeout -s INT`: keep the rows measured so far
+        print(f"interrupted after {len(rows)} token counts", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               **ceil, "rows": rows}
     if table_out:
