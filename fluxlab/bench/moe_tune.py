@@ -5,8 +5,10 @@
 
 For each token count T, with random bf16 expert weights and the real router's choices (random gate
 weights, n_group 8 / topk_group 4, top-8 of 256): for each BLOCK_M that suits T's rows per expert,
-times the gate/up kernel over candidate (BLOCK_N, BLOCK_K, warps, stages) and then the down kernel
-over the same candidates on the best gate/up output (the two kernels share only BLOCK_M), each with
+times the gate/up kernel over candidate (BLOCK_N, BLOCK_K, warps, stages), then the best tile with
+each row-tile shrink (SHRINK1 1, 2: half/quarter-height GEMMs for an expert's last tile), then the
+best of those with its weight tiles through TMA (TMA1, sm90+), and the
+down kernel likewise on the best gate/up output (the two kernels share only BLOCK_M), each with
 triton.testing.do_bench (median). The best BLOCK_M's pair is then timed as a whole layer under a CUDA
 graph beside the heuristic config, checked against it (bf16 tolerance), and kept only where it is
 faster. Writes the table `fused_moe` reads (kernels/moe_configs/<GPU>.json, merged with what is
@@ -31,9 +33,15 @@ TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (12
 
 
 def block_m_candidates(num_tokens: int) -> list[int]:
-    """BLOCK_M near the mean rows per expert (T * K / E): smaller wastes weight reuse, larger pads."""
+    """BLOCK_M near the mean rows per expert (T * K / E): smaller wastes weight reuse, larger pads
+    (up to 4x the mean: a shrunk last tile pads less)."""
     rows = num_tokens * TOP_K / NUM_EXPERTS
-    return [bm for bm in (16, 32, 64, 128) if rows / 4 <= bm <= max(16, 2 * rows)]
+    return [bm for bm in (16, 32, 64, 128) if rows / 4 <= bm <= max(16, 4 * rows)]
+
+
+def shrink_candidates(block_m: int) -> list[int]:
+    """SHRINK1/SHRINK2 values beside 0 for this BLOCK_M (row tiles of at least 16 rows)."""
+    return [s for s in (1, 2) if block_m >> s >= 16]
 
 
 def bench(fn) -> float:
@@ -48,6 +56,22 @@ def graph_ms(fn, iters: int = 20) -> float:
     return _time_graph(fn, iters)
 
 
+def _time_candidates(stage: list, configs: list, run, tried: list, kernel: int):
+    """Appends (ms, config) to stage for each config that runs (else its error to tried); -> the
+    best so far, None if none ran."""
+    for cfg in configs:
+        try:
+            stage.append((bench(lambda: run(cfg)), cfg))
+        except Exception as err:  # out of shared memory / registers: not a candidate
+            tried.append({"BLOCK_M": cfg.BLOCK_M, "kernel": kernel, "config": dataclasses.asdict(cfg),
+                          "error": repr(err)[:200]})
+    return _best(stage) if stage else None
+
+
+def _best(stage: list):
+    return min(stage, key=lambda t: t[0])[1]
+
+
 def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
     from fluxlab.engine.layers.moe import route
     from fluxlab.kernels.fused_moe import (MoEConfig, down_stage, fused_moe, gate_up_stage, heuristic_config,
@@ -60,6 +84,7 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
     idx, wts = route(x, gate_w, bias, top_k=TOP_K, n_group=N_GROUP, topk_group=TOPK_GROUP,
                      routed_scaling_factor=SCALE)
     flat_w = wts.reshape(-1).contiguous()
+    tma_ok = torch.cuda.get_device_capability(x.device)[0] >= 9
     tried = []
     best = None
     for bm in block_m_candidates(num_tokens):
@@ -67,28 +92,33 @@ def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
             break
         sorted_ids, expert_ids, total = moe_align(idx, NUM_EXPERTS, bm)
         align_ms = bench(lambda: moe_align(idx, NUM_EXPERTS, bm))
+
+        def run1(cfg):
+            return gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)
+
+        # gate/up: the tiles, then the best tile's shrinks, then the best of those through TMA
         stage1 = []
-        for bn, bk, warps, stages in TILES:
-            cfg = MoEConfig(BLOCK_M=bm, BLOCK_N1=bn, BLOCK_K1=bk, WARPS1=warps, STAGES1=stages)
-            try:
-                stage1.append((bench(lambda: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg)),
-                               cfg))
-            except Exception as err:  # out of shared memory / registers: not a candidate
-                tried.append({"BLOCK_M": bm, "kernel": 1, "tile": [bn, bk, warps, stages], "error": repr(err)[:200]})
-        if not stage1:
+        if _time_candidates(stage1, [MoEConfig(BLOCK_M=bm, BLOCK_N1=bn, BLOCK_K1=bk, WARPS1=warps, STAGES1=stages)
+                                     for bn, bk, warps, stages in TILES], run1, tried, 1) is None:
             continue
+        _time_candidates(stage1, [dataclasses.replace(_best(stage1), SHRINK1=s) for s in shrink_candidates(bm)],
+                         run1, tried, 1)
+        if tma_ok:
+            _time_candidates(stage1, [dataclasses.replace(_best(stage1), TMA1=1)], run1, tried, 1)
         ms1, cfg1 = min(stage1, key=lambda t: t[0])
-        inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg1)
-        stage2 = []
-        for bn, bk, warps, stages in TILES:
-            cfg = dataclasses.replace(cfg1, BLOCK_N2=bn, BLOCK_K2=bk, WARPS2=warps, STAGES2=stages)
-            try:
-                stage2.append((bench(lambda: down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)),
-                               cfg))
-            except Exception as err:
-                tried.append({"BLOCK_M": bm, "kernel": 2, "tile": [bn, bk, warps, stages], "error": repr(err)[:200]})
-        if not stage2:
+        inter_buf = run1(cfg1)
+
+        def run2(cfg):
+            return down_stage(inter_buf, w_down, flat_w, sorted_ids, expert_ids, total, cfg)
+
+        stage2 = []   # down: likewise, on the best gate/up output
+        if _time_candidates(stage2, [dataclasses.replace(cfg1, BLOCK_N2=bn, BLOCK_K2=bk, WARPS2=warps, STAGES2=stages)
+                                     for bn, bk, warps, stages in TILES], run2, tried, 2) is None:
             continue
+        _time_candidates(stage2, [dataclasses.replace(_best(stage2), SHRINK2=s) for s in shrink_candidates(bm)],
+                         run2, tried, 2)
+        if tma_ok:
+            _time_candidates(stage2, [dataclasses.replace(_best(stage2), TMA2=1)], run2, tried, 2)
         ms2, cfg2 = min(stage2, key=lambda t: t[0])
         tried.append({"BLOCK_M": bm, "align_ms": align_ms, "gate_up_ms": ms1, "down_ms": ms2,
                       "stage1": [[ms, dataclasses.asdict(c)] for ms, c in stage1],
@@ -164,14 +194,16 @@ def main(argv=None) -> dict:
     if out_dir:
         Path(out_dir, "moe_tune.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
     print(f"\nwrote {path}\n")
-    print("| tokens | heuristic ms | tuned ms | floor ms | tuned / floor | config (BM, N1/K1/W1/S1, N2/K2/W2/S2) |")
+    print("| tokens | heuristic ms | tuned ms | floor ms | tuned / floor | config (BM, N1/K1/W1/S1/shrink1/tma1, "
+          "N2/K2/W2/S2/shrink2/tma2) |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         c = row["chosen"] or {}
         print(f"| {row['tokens']} | {row['heuristic_ms']:.3f} | {row['chosen_ms'] or float('nan'):.3f} | "
               f"{row['floor_ms']:.3f} | {(row['chosen_ms'] or float('nan')) / row['floor_ms']:.2f} | "
-              f"{c.get('BLOCK_M')}, {c.get('BLOCK_N1')}/{c.get('BLOCK_K1')}/{c.get('WARPS1')}/{c.get('STAGES1')}, "
-              f"{c.get('BLOCK_N2')}/{c.get('BLOCK_K2')}/{c.get('WARPS2')}/{c.get('STAGES2')} |")
+              f"{c.get('BLOCK_M')}, {c.get('BLOCK_N1')}/{c.get('BLOCK_K1')}/{c.get('WARPS1')}/{c.get('STAGES1')}/"
+              f"{c.get('SHRINK1')}/{c.get('TMA1')}, {c.get('BLOCK_N2')}/{c.get('BLOCK_K2')}/{c.get('WARPS2')}/"
+              f"{c.get('STAGES2')}/{c.get('SHRINK2')}/{c.get('TMA2')} |")
     return {"rows": rows}
 
 

@@ -5,22 +5,29 @@
 
     out[t] = sum_k w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = topk_idx[t, k]
 
-with w_gate_up [E, 2I, H] (rows: gate then up) and w_down [E, H, I], in four launches and with no
+with w_gate_up [E, 2I, H] (rows: gate then up) and w_down [E, H, I], in a few launches and with no
 host synchronisation, so it can be captured in a CUDA graph:
 
-1. `_count_kernel` (grid E): counts[e] = #slots routed to expert e.
-2. `_align_kernel` (grid E): each expert gets a BLOCK_M-padded run of rows in a buffer sized for
-   the worst case (T*K + min(E, T*K)*(BLOCK_M-1) rows); writes sorted_ids (flat token-slot index
-   t*K+k, or the sentinel T*K for padding), the expert of every BLOCK_M row block, and the number of
-   used rows (`total`, on device). Slots keep their original order inside an expert (deterministic).
-3. `_gate_up_kernel`: grouped GEMM x[tok] @ w_gate_up[e]^T, gate and up tiles for the same
+1. `moe_align` (kernels/moe_align.py: a counting sort in O(slots), one to three launches): each
+   expert gets a BLOCK_M-padded run of rows in a buffer sized for the worst case
+   (T*K + min(E, T*K)*(BLOCK_M-1) rows): sorted_ids (the flat token-slot index t*K+k, or the
+   sentinel T*K in padding rows), expert_ids (the expert of every BLOCK_M row block) and the number
+   of used rows (`total`, on device). Slots keep their original order inside an expert.
+2. `_gate_up_kernel`: grouped GEMM x[tok] @ w_gate_up[e]^T, gate and up tiles for the same
    N-columns in two accumulators, SiLU(gate)*up in the epilogue -> inter [rows, I] (x.dtype).
-4. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
+3. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
    epilogue, stored per token-slot -> [T*K, H] (x.dtype).
 Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32)`) and cast back.
 
 Row blocks past `total` (and programs whose block is past it) exit at once: the grid is sized by
-the worst case and the work by the device-side count.
+the worst case and the work by the device-side count. With SHRINK1/SHRINK2 > 0 a row block whose
+rows fit in half (a quarter) of BLOCK_M runs a GEMM of that height. A row's value should not
+change (each row of a tl.dot is its own dot product, accumulated over K in the same order), but
+the smaller tile may get another MMA instruction (mma.sync below 64 rows on sm90, wgmma above),
+so tests/test_fused_moe.py and `bench_moe --old-vs-new` check the bits on the GPU, and a table
+ships only shrinks that kept them.
+With TMA1/TMA2 (sm90+) the weight tiles are loaded through a TMA tensor descriptor instead of
+pointer loads; the activations stay gathered pointer loads.
 
 Tile configs come from a table measured per GPU, expert shape and token count
 (`moe_configs/<GPU>.json`, written by `python -m fluxlab.bench.moe_tune`), else from a heuristic
@@ -41,43 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - triton absent on the CPU CI image
-    triton = None
-    tl = None
-    HAVE_TRITON = False
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-
-
-def _patch_interpreter_for_numpy2() -> None:
-    """triton 3.6's interpreter turns scalar args into 1-element arrays and calls int() on them for
-    `range(...)` bounds, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted").
-    Re-point `tensor.__index__` at `.item()` after the interpreter's own patching. CPU-only
-    (TRITON_INTERPRET=1); no effect on compiled kernels."""
-    try:
-        from triton.runtime import interpreter as _interp
-    except Exception:
-        return
-    orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_fluxlab_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._fluxlab_patched = True
-    _interp._patch_lang_tensor = patched
-
-
-if HAVE_TRITON and _interpret():
-    _patch_interpreter_for_numpy2()
+from fluxlab.kernels.moe_align import (HAVE_TRITON, _interpret, _patch_interpreter_for_numpy2,  # noqa: F401
+                                       max_padded_rows, moe_align, tl, triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,6 +70,25 @@ class MoEConfig:
     WARPS2: int = 4
     STAGES2: int = 3
     GROUP_M: int = 8
+    # Kernel 1 / kernel 2: a row tile whose rows fit in BLOCK_M / 2**s (s <= SHRINK, at least 16
+    # rows) runs a GEMM of that height, so an expert's last tile skips most of its padding (at
+    # 2048 tokens, BLOCK_M 128 multiplies ~2x the useful rows; ~1.5x with SHRINK 1).
+    SHRINK1: int = 0
+    SHRINK2: int = 0
+    # Kernel 1 / kernel 2: 1 = weight tiles through a TMA tensor descriptor (sm90+) instead of
+    # pointer loads (fewer registers and address instructions per tile).
+    TMA1: int = 0
+    TMA2: int = 0
+
+    def __post_init__(self):
+        for name in ("TMA1", "TMA2"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"MoEConfig: {name}={getattr(self, name)}; {name} is 0 or 1")
+        for name in ("SHRINK1", "SHRINK2"):
+            shrink = getattr(self, name)
+            if shrink not in (0, 1, 2) or self.BLOCK_M >> shrink < 16:
+                raise ValueError(f"MoEConfig: {name}={shrink} with BLOCK_M={self.BLOCK_M}; {name} is 0, 1 or 2 and "
+                                 f"BLOCK_M / 2**{name} must be at least 16 rows (the smallest tl.dot tile)")
 
 
 def heuristic_config(num_slots: int, num_experts: int) -> MoEConfig:
@@ -178,47 +169,6 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
 if HAVE_TRITON:
 
     @triton.jit
-    def _count_kernel(topk_ptr, counts_ptr, N, CH: tl.constexpr):
-        e = tl.program_id(0)
-        acc = tl.zeros([CH], dtype=tl.int32)
-        for c in range(0, N, CH):
-            offs = c + tl.arange(0, CH)
-            ids = tl.load(topk_ptr + offs, mask=offs < N, other=-1)
-            acc += (ids == e).to(tl.int32)
-        tl.store(counts_ptr + e, tl.sum(acc, axis=0))
-
-    @triton.jit
-    def _align_kernel(topk_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, N, E,
-                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr):
-        e = tl.program_id(0)
-        offs_e = tl.arange(0, E_P2)
-        cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
-        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        excl = tl.cumsum(padded, axis=0) - padded
-        start = tl.sum(tl.where(offs_e == e, excl, 0), axis=0)
-        my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0), axis=0)
-        my_pad = (my_cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        if e == 0:
-            tl.store(total_ptr, tl.sum(padded, axis=0))
-        if my_cnt > 0:
-            running = tl.sum(tl.zeros([CH], dtype=tl.int32), axis=0)
-            for c in range(0, N, CH):
-                offs = c + tl.arange(0, CH)
-                ids = tl.load(topk_ptr + offs, mask=offs < N, other=-1)
-                hit = (ids == e).to(tl.int32)
-                rank = running + tl.cumsum(hit, axis=0) - hit
-                tl.store(sorted_ids_ptr + start + rank, offs, mask=hit > 0)
-                running += tl.sum(hit, axis=0)
-            offs_p = tl.arange(0, BLOCK_M)
-            sentinel = tl.zeros([BLOCK_M], dtype=tl.int32) + N
-            tl.store(sorted_ids_ptr + start + my_cnt + offs_p, sentinel, mask=my_cnt + offs_p < my_pad)
-            nblk = my_pad // BLOCK_M
-            b0 = start // BLOCK_M
-            for b in range(0, nblk, CH):
-                ob = b + tl.arange(0, CH)
-                tl.store(expert_ids_ptr + b0 + ob, tl.zeros([CH], dtype=tl.int32) + e, mask=ob < nblk)
-
-    @triton.jit
     def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
         # Grouped ordering: consecutive programs share pid_n and walk GROUP_M row blocks (mostly
         # the same expert at large T), so a weight strip is reused from L2.
@@ -231,132 +181,190 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+    def _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                      stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+        # rows row0 .. row0+BLOCK_M-1 (expert *e_ptr), columns pid_n*BLOCK_N.. of gate and of up.
+        # TMA: the weight tiles come through w_desc (w as [E*2I, H]); columns past I read the next
+        # rows (or zeros past the end), only ever into output columns the store masks.
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_ids_ptr + offs_m)
+        valid = slot < N
+        tok = (slot // TOPK).to(tl.int64)
+        e = tl.load(e_ptr).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+        if TMA:
+            w_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
+        else:
+            offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
+            bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            bu_ptrs = bg_ptrs + I * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if TMA:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < H - k * BLOCK_K), other=0.0)
+                bg = w_desc.load([w_row, k * BLOCK_K]).T
+                bu = w_desc.load([w_row + I, k * BLOCK_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                bg = tl.load(bg_ptrs)
+                bu = tl.load(bu_ptrs)
+            else:
+                k_ok = offs_k < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(bg_ptrs, mask=k_ok[:, None], other=0.0)
+                bu = tl.load(bu_ptrs, mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g)
+                acc_u = tl.dot(a, bu, acc_u)
+            a_ptrs += BLOCK_K
+            if not TMA:
+                bg_ptrs += BLOCK_K * stride_wk
+                bu_ptrs += BLOCK_K * stride_wk
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                         N, TOPK, H, I, num_pid_m,
                         stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                        GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
+                        IEEE: tl.constexpr, TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(I, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slot = tl.load(sorted_ids_ptr + offs_m)
-            valid = slot < N
-            tok = (slot // TOPK).to(tl.int64)
-            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_bn = (offs_n % I).to(tl.int64)   # wrap instead of masking the weight loads
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
-            bg_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            bu_ptrs = bg_ptrs + I * stride_wn
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, tl.cdiv(H, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                    bg = tl.load(bg_ptrs)
-                    bu = tl.load(bu_ptrs)
-                else:
-                    k_ok = offs_k < H - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                    bg = tl.load(bg_ptrs, mask=k_ok[:, None], other=0.0)
-                    bu = tl.load(bu_ptrs, mask=k_ok[:, None], other=0.0)
-                if IEEE:
-                    acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(a, bg, acc_g)
-                    acc_u = tl.dot(a, bu, acc_u)
-                a_ptrs += BLOCK_K
-                bg_ptrs += BLOCK_K * stride_wk
-                bu_ptrs += BLOCK_K * stride_wk
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
+            row0 = pid_m * BLOCK_M
+            e_ptr = expert_ids_ptr + pid_m
+            # An expert's last tile holds its leftover rows first: where they fit in the first half
+            # (quarter), run a half- (quarter-) height GEMM instead of multiplying padding.
+            if SHRINK_M == 0:
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            elif SHRINK_M == 1:
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            else:
+                _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
+                              stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                              BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
 
     @triton.jit
-    def _down_kernel(a_ptr, w_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+    def _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                   stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_ids_ptr + offs_m)
+        valid = slot < N
+        e = tl.load(e_ptr).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        if TMA:   # w as [E*H, I], as in _gate_up_rows
+            w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
+        else:
+            offs_bn = (offs_n % H).to(tl.int64)
+            b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(I, BLOCK_K)):
+            if TMA:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < I - k * BLOCK_K), other=0.0)
+                b = w_desc.load([w_row, k * BLOCK_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < I - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            if not TMA:
+                b_ptrs += BLOCK_K * stride_wk
+        w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+        o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
+
+    @triton.jit
+    def _down_kernel(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                      N, H, I, num_pid_m,
                      stride_am, stride_we, stride_wn, stride_wk, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                     GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
+                     IEEE: tl.constexpr, TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(H, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slot = tl.load(sorted_ids_ptr + offs_m)
-            valid = slot < N
-            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_bn = (offs_n % H).to(tl.int64)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-            b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, tl.cdiv(I, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = offs_k < I - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-                if IEEE:
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K * stride_wk
-            w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
-            acc = acc * w[:, None]
-            o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
+            row0 = pid_m * BLOCK_M
+            e_ptr = expert_ids_ptr + pid_m
+            if SHRINK_M == 0:  # as in _gate_up_kernel
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            elif SHRINK_M == 1:
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            else:
+                _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
+                           stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                           BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host wrappers (no host sync: every size below is a function of shapes only)
 # ----------------------------------------------------------------------------------------------
 
-def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Worst-case rows after padding every expert's run to a multiple of block_m."""
-    rows = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    return triton.cdiv(rows, block_m) * block_m if HAVE_TRITON else -(-rows // block_m) * block_m
-
-
-def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int):
-    """-> (sorted_ids int32 [R], expert_ids int32 [R/block_m], total int32 [1]); only the first
-    `total` rows are written (padding rows hold the sentinel T*K)."""
-    flat = topk_idx.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    n = flat.numel()
-    rows = max_padded_rows(n, num_experts, block_m)
-    dev = flat.device
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
-    total = torch.empty(1, dtype=torch.int32, device=dev)
-    ch = 1024 if n > 256 else 256
-    _count_kernel[(num_experts,)](flat, counts, n, CH=ch, num_warps=4)
-    _align_kernel[(num_experts,)](flat, counts, sorted_ids, expert_ids, total, n, num_experts,
-                                  BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CH=ch,
-                                  num_warps=4)
-    return sorted_ids, expert_ids, total
-
-
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
               w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None,
-              foreign_slots: bool = False) -> torch.Tensor:
+              foreign_slots: bool = False, align=moe_align) -> torch.Tensor:
     """x [T, H], topk_idx [T, K] int, topk_weight [T, K] fp32, w_gate_up [E, 2I, H], w_down [E, H, I]
     -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes).
 
     foreign_slots: some ids are E (expert parallel: routed to another rank). The align step never
-    places them, so no GEMM work is spent on them, and they add zero to the combine."""
+    places them, so no GEMM work is spent on them, and they add zero to the combine.
+    align: the align step (`moe_align`; `moe_align.moe_align_scan`, the previous one, to compare)."""
     if not HAVE_TRITON:
         raise RuntimeError("fused_moe needs triton")
     if not x.is_cuda and not _interpret():
@@ -376,11 +384,23 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         x = x.to(w_gate_up.dtype)
     topk_weight = topk_weight.reshape(-1).contiguous()
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
-    sorted_ids, expert_ids, total = moe_align(topk_idx, num_experts, cfg.BLOCK_M)
+    sorted_ids, expert_ids, total = align(topk_idx, num_experts, cfg.BLOCK_M)
     inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg)
     slot_out = down_stage(inter_buf, w_down, topk_weight, sorted_ids, expert_ids, total, cfg, foreign_slots)
     # Combine the K slots of each token in fp32 (reads x.dtype, accumulates fp32) and cast back.
     return torch.sum(slot_out.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(out_dtype)
+
+
+def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor over the stacked expert weights as one [E*N, K] matrix, [block_n, block_k]
+    tiles (host-side: a kernel argument by value, so a CUDA graph keeps it)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not w.is_contiguous():
+        raise ValueError("MoEConfig TMA1/TMA2: the expert weights must be contiguous for a TMA descriptor")
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        raise ValueError("MoEConfig TMA1/TMA2: TMA needs sm90 or newer (Hopper); set them to 0 on this GPU")
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
 
 
 def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
@@ -394,12 +414,12 @@ def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Te
     inter_buf = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     grid = (num_pid_m * triton.cdiv(inter, cfg.BLOCK_N1),)
     _gate_up_kernel[grid](
-        x, w_gate_up, inter_buf, sorted_ids, expert_ids, total,
+        x, w_gate_up, _weight_tiles(w_gate_up, cfg.BLOCK_N1, cfg.BLOCK_K1) if cfg.TMA1 else None, inter_buf, sorted_ids, expert_ids, total,
         num_tokens * top_k, top_k, hidden, inter, num_pid_m,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M,
-        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.WARPS1,
-        num_stages=cfg.STAGES1)
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK1,
+        EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, TMA=bool(cfg.TMA1),
+        num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
     return inter_buf
 
 
@@ -416,12 +436,12 @@ def down_stage(inter_buf: torch.Tensor, w_down: torch.Tensor, topk_weight: torch
                                                                 device=inter_buf.device)
     grid = (num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)
     _down_kernel[grid](
-        inter_buf, w_down, slot_out, topk_weight, sorted_ids, expert_ids, total,
+        inter_buf, w_down, _weight_tiles(w_down, cfg.BLOCK_N2, cfg.BLOCK_K2) if cfg.TMA2 else None, slot_out, topk_weight, sorted_ids, expert_ids, total,
         n, hidden, inter, num_pid_m,
         inter_buf.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), slot_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M,
-        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, num_warps=cfg.WARPS2,
-        num_stages=cfg.STAGES2)
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK2,
+        EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, TMA=bool(cfg.TMA2),
+        num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
     return slot_out
 
 
