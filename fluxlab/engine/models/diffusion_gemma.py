@@ -87,9 +87,12 @@ class DiffusionGemmaModel(nn.Module):
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """Expected embedding under softmax(logits), scaled like token embeddings."""
+        return self.soft_embed_probs(logits.softmax(dim=-1, dtype=torch.float32))
+
+    def soft_embed_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """`soft_embed` from the fp32 softmax itself (the canvas step has it already)."""
         w = self.embed_tokens.weight
-        probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
-        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
