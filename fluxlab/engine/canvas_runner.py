@@ -25,6 +25,7 @@ import torch
 
 from fluxlab.engine.canvas_attention import (CanvasKVCache, CanvasRow, PagedCanvasAttention,
                                              build_canvas_metadata)
+from fluxlab.engine.canvas_graphs import CanvasGraphs
 from fluxlab.engine.canvas_request import CanvasRequest
 from fluxlab.engine.decoding.canvas import CanvasState, canvas_step
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
@@ -37,8 +38,9 @@ def kv_shapes(text_config) -> list[tuple[int, int]]:
 
 class CanvasRunner:
     def __init__(self, model, num_pages: int, num_sliding_pages: int, ring_size: int, canvas_length: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, pages_per_seq: int):
         self.model = model
+        self.pages_per_seq = pages_per_seq  # page-table capacity of a request (static buffers)
         self.block_length = canvas_length
         self.device = device
         self.dtype = dtype
@@ -56,6 +58,16 @@ class CanvasRunner:
         self.on_step = None  # no tensor parallelism for this model
         self.special: dict[str, int] = {}
         self.step_elements = 2**28  # logits elements per decode chunk (1 GiB of fp32)
+        self.graphs: Optional[CanvasGraphs] = None  # the static denoising path, when enabled
+        hidden = model.embed_tokens.embedding_dim
+        self.zero_soft = torch.zeros(canvas_length, hidden, dtype=dtype, device=device)  # a canvas' first step
+        self.no_argmax = torch.full((canvas_length,), -1, dtype=torch.long, device=device)
+        self.zero_run = torch.zeros((), dtype=torch.long, device=device)
+
+    def enable_denoise_graphs(self, row_sizes: list[int], capture: bool) -> None:
+        """Pure denoising batches of at most max(row_sizes) rows run the static path: CUDA graphs
+        (capture=True) or the same padded buffers called as is (capture=False; CPU tests)."""
+        self.graphs = CanvasGraphs(self, row_sizes, capture)
 
     # --- host side ---
     def _rows(self, batch: ScheduledBatch):
@@ -127,6 +139,8 @@ class CanvasRunner:
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self._run_static(batch)
         L = self.block_length
         rows, token_ids, positions, canvas_at, decoding, at_risk = self._rows(batch)
         if at_risk.size:
@@ -167,7 +181,23 @@ class CanvasRunner:
                 s.soft_embeds = soft_next[i]
             blocks.append(step.block)
             finals.append(step.final)
-        host = torch.cat([torch.cat(blocks), torch.cat(finals)[:, None].long()], dim=1).cpu().numpy()  # one copy
+        return self._finish(decoding, states, torch.cat(blocks), torch.cat(finals))
+
+    def _run_static(self, batch: ScheduledBatch) -> StepOutput:
+        decoding = list(batch.requests)
+        states = [self._state(r) for r in decoding]
+        self.launched_at = time.perf_counter()
+        if self.graphs.capture:
+            self.num_graph_forwards += 1
+        else:
+            self.num_eager_forwards += 1
+        block, final = self.graphs.run(decoding, states)
+        return self._finish(decoding, states, block, final)
+
+    def _finish(self, decoding: list[CanvasRequest], states: list[CanvasState], block: torch.Tensor,
+                final: torch.Tensor) -> StepOutput:
+        L = self.block_length
+        host = torch.cat([block, final[:, None].long()], dim=1).cpu().numpy()  # one copy
         self.results_at = time.perf_counter()
         blocks, final = host[:, :L], host[:, L].astype(bool)
         filled = np.zeros(len(decoding), dtype=np.int64)
@@ -194,4 +224,6 @@ class CanvasRunner:
         """Nothing to rewrite: canvas state lives on each request."""
 
     def release_graphs(self) -> None:
-        pass
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None

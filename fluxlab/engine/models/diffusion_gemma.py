@@ -102,11 +102,12 @@ class DiffusionGemmaModel(nn.Module):
             out[layer_type] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
 
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool,
+                static: bool = False) -> torch.Tensor:
         rope = self._rope(positions, h.dtype)
         for layer, layer_type in zip(self.layers, self.layer_types):
             cos, sin = rope[layer_type]
-            h = layer(h, cos, sin, attn, encoder)
+            h = layer(h, cos, sin, attn, encoder, static)
         return self.norm(h)
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -133,6 +134,14 @@ class DiffusionGemmaModel(nn.Module):
             soft = torch.zeros_like(embeds) if soft_embeds is None else soft_embeds.to(embeds.dtype)
             h = h.index_copy(0, canvas, self.self_conditioning(embeds, soft))
         return self._layers(h, positions, attn, encoder=~is_canvas)
+
+    def forward_canvas(self, ids: torch.Tensor, positions: torch.Tensor, attn,
+                       soft_embeds: torch.Tensor) -> torch.Tensor:
+        """`forward` of canvas tokens only (a batch of denoising rows; `soft_embeds` zeros where a
+        canvas takes its first step), with static shapes and no host sync, so a CUDA graph can hold
+        it (canvas_graphs.py). Every per-token op is `forward`'s, so the values are too."""
+        h = self.self_conditioning(self.embed(ids), soft_embeds)
+        return self._layers(h, positions, attn, encoder=False, static=True)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head, then fp32 soft-capping cap * tanh(logits / cap)."""

@@ -1,0 +1,75 @@
+"""Denoiser graphs for Diffusion-Gemma: static denoising steps by (padded rows, key pages).
+
+The canvas runner asks `can_run(batch)`: a batch of pure denoising rows (each row its canvas
+alone) at most the largest row size runs on a `StaticDenoiser` (canvas_static.py); every other
+batch (a row that commits a canvas or prefills its prompt, or more rows) runs eagerly. Rows are
+padded to the smallest size of the ladder that holds them (attention.cuda_graph_capture_bs and
+every multiple of LADDER_STEP up to the largest, as LLaDA2's decode graphs), full-layer keys to a
+power of two pages of the batch's longest prefix (so a short prefix does not pay for
+max_model_len; sliding layers always gather their window).
+
+Capture is lazy: a (rows, key pages) graph is captured the first time a batch needs it (a
+serving run meets a few of the rows x buckets pairs, and a 26B-A4B capture costs three forwards),
+all into one memory pool. With `capture=False` the same static path is called as is: the CPU
+tests run it against the eager path and transformers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fluxlab.engine.canvas_static import StaticDenoiser
+from fluxlab.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger("fluxlab.engine")
+
+
+def denoise_row_sizes(capture_bs: list[int], ladder_step: int) -> list[int]:
+    """Row counts to pad to: each capture size and every multiple of ladder_step up to the largest."""
+    largest = max(capture_bs)
+    return sorted(set(capture_bs) | set(range(ladder_step, largest + 1, ladder_step)))
+
+
+class CanvasGraphs:
+    def __init__(self, runner, row_sizes: list[int], capture: bool):
+        self.runner = runner
+        self.sizes = sorted(set(row_sizes))
+        self.capture = capture
+        self.max_key_pages = runner.pages_per_seq - 1
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.denoisers: dict[tuple[int, int, bool], StaticDenoiser] = {}
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return (0 < len(batch.requests) <= self.sizes[-1] and bool(batch.decodes.all())
+                and bool((batch.num_blocks == 1).all()))
+
+    def key_pages(self, requests) -> int:
+        """Pages of prefix keys the full layers gather: a power of two >= the longest row's."""
+        L = self.runner.block_length
+        longest = max(max(0, r.active_block * L - r.num_pad) for r in requests)
+        pages = 1
+        while pages * L < longest:
+            pages *= 2
+        return min(pages, self.max_key_pages)
+
+    def denoiser(self, num_rows: int, key_pages: int, with_sampler: bool = True) -> StaticDenoiser:
+        rows = next(s for s in self.sizes if s >= num_rows)
+        key = (rows, key_pages, with_sampler)
+        if key not in self.denoisers:
+            started = time.perf_counter()
+            self.denoisers[key] = StaticDenoiser(self.runner, rows, key_pages, self.capture, self.pool, with_sampler)
+            if self.capture:
+                log.info("captured the denoiser graph of %d rows, %d key pages%s in %.1f s", rows, key_pages,
+                         "" if with_sampler else " (forward only)", time.perf_counter() - started)
+        return self.denoisers[key]
+
+    def run(self, requests, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block [n, L], final [n]) of one denoising step of these rows (`can_run`)."""
+        return self.denoiser(len(requests), self.key_pages(requests)).run(requests, states)
+
+    def release(self) -> None:
+        if self.capture:
+            torch.cuda.synchronize(self.runner.device)
+        self.denoisers.clear()

@@ -1,0 +1,188 @@
+"""The denoising step of R canvas rows with static shapes: what a CUDA graph of it holds.
+
+A batch of pure denoising rows (each row one canvas, no commit or prefill blocks: most steps of a
+canvas-decoding run) writes no K/V, so its forward depends on a few numbers per row: the canvas
+and its self-conditioning input, its prefix length K, its left padding and its page tables.
+`StaticDenoiser` keeps those in fixed buffers of R rows and computes everything else on the
+device from them: the attention's cache slots and masks (`StaticCanvasAttention`), the forward
+(`DiffusionGemmaModel.forward_canvas`), the logits and the canvas sampler (`denoise_step`), the
+next self-conditioning input. Rows past the batch are padding: K = 0 (they see only their own
+canvas), page 0 read and masked out, temperature 1; nothing is written, so no scratch page.
+
+Full-attention layers gather `key_pages * L` prefix keys a row (a bucket of the batch's longest
+prefix, canvas_graphs.py), sliding layers `window - 1` (all a canvas query sees); keys past a
+row's K are masked. Masked keys add exact zeros, so a row's values are the eager path's, whatever
+the padding (the CPU tests check token parity with transformers through this path).
+
+Randomness: row r draws from generators[r]. On CPU (and the un-captured path) those are the
+requests' own generators. Under a CUDA graph they are R generators registered with the graph
+(`CUDAGraph.register_generator_state`): a replay reads each one's seed and Philox offset from
+device memory and advances the offset by what capture consumed, so copying a request's state into
+slot r before the replay and back after it (`get_state`/`set_state`, host-side bytes, no sync)
+makes the graph draw exactly the numbers the eager kernels draw from that request's generator,
+in the same order (its multinomial, then its renoise canvas). The draws stay in the graph.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fluxlab.engine.canvas_attention import CanvasKVCache
+from fluxlab.engine.canvas_request import CanvasRequest
+from fluxlab.engine.decoding.canvas import CanvasState, CanvasStepInputs, denoise_step
+
+
+class StaticCanvasAttention:
+    """The model's `attn.forward(layer_idx, q, k, v)` for R rows of L canvas queries each, reading
+    the cache only. `plan` derives slots and masks on the device from the per-row buffers."""
+
+    def __init__(self, cache: CanvasKVCache, layer_is_sliding: list[bool], rows: int, canvas_length: int,
+                 window: int, full_keys: int, sliding_keys: int, ring_size: int):
+        self.cache = cache
+        self.layer_is_sliding = layer_is_sliding
+        self.rows, self.L, self.window, self.ring_size = rows, canvas_length, window, ring_size
+        self.num_keys = {False: full_keys, True: sliding_keys}
+        self.slots: dict[bool, torch.Tensor] = {}
+        self.masks: dict[bool, torch.Tensor] = {}
+
+    def plan(self, num_keys: torch.Tensor, num_pad: torch.Tensor, page_table: torch.Tensor,
+             ring: torch.Tensor) -> None:
+        L, device = self.L, num_keys.device
+        K, pad = num_keys[:, None], num_pad[:, None]
+        own_canvas = torch.ones(self.rows, L, dtype=torch.bool, device=device)
+        for sliding in (False, True):
+            # logical prefix positions gathered: from 0, or the oldest a sliding canvas query sees
+            first = (K - (self.window - 1)).clamp(min=0) if sliding else torch.zeros_like(K)
+            pos = first + torch.arange(self.num_keys[sliding], device=device)[None, :]
+            index = pos + pad  # into the request's (left-padded) token array
+            pages = ring.gather(1, index // L % self.ring_size) if sliding else page_table.gather(1, index // L)
+            self.slots[sliding] = pages * L + index % L
+            visible = torch.cat([pos < K, own_canvas], dim=1)  # [R, K_t + L], the same for every query
+            self.masks[sliding] = visible[:, None, None, :].expand(-1, 1, L, -1).contiguous()
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sliding = self.layer_is_sliding[layer_idx]
+        rows, L = self.rows, self.L
+        slots = self.slots[sliding]
+        keys = torch.cat([self.cache.k[layer_idx][slots], k.view(rows, L, *k.shape[1:])], dim=1)
+        values = torch.cat([self.cache.v[layer_idx][slots], v.view(rows, L, *v.shape[1:])], dim=1)
+        queries = q.view(rows, L, *q.shape[1:])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self.masks[sliding], scale=1.0, enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+
+
+class StaticDenoiser:
+    """Fixed buffers for `rows` canvas rows whose full layers gather `key_pages` pages of prefix,
+    and the step over them: captured as a CUDA graph (`capture=True`) or called as is."""
+
+    def __init__(self, runner, rows: int, key_pages: int, capture: bool, pool=None, with_sampler: bool = True):
+        model, L, device = runner.model, runner.block_length, runner.device
+        self.runner, self.model, self.rows, self.L, self.device = runner, model, rows, L, device
+        self.key_pages = key_pages
+        self.with_sampler = with_sampler
+        hidden = model.embed_tokens.embedding_dim
+        self.canvas = torch.zeros(rows, L, dtype=torch.long, device=device)
+        self.soft = torch.zeros(rows, L, hidden, dtype=runner.dtype, device=device)
+        self.geometry = torch.zeros(2, rows, dtype=torch.long, device=device)  # K, left padding
+        self.page_table = torch.zeros(rows, runner.pages_per_seq, dtype=torch.long, device=device)
+        self.ring = torch.zeros(rows, runner.ring_size, dtype=torch.long, device=device)
+        self.floats = torch.ones(3, rows, dtype=torch.float32, device=device)  # CanvasStepInputs.host_values
+        self.ints = torch.zeros(2, rows, dtype=torch.long, device=device)
+        self.prev_argmax = torch.full((rows, L), -1, dtype=torch.long, device=device)
+        self.stable_run = torch.zeros(rows, dtype=torch.long, device=device)
+        sliding_keys = max(1, min(model.sliding_window - 1, (runner.pages_per_seq - 1) * L))
+        self.attention = StaticCanvasAttention(runner.cache, model.layer_is_sliding, rows, L, model.sliding_window,
+                                               key_pages * L, sliding_keys, runner.ring_size)
+        self.generators = [torch.Generator(device=device) for _ in range(rows)]  # the graph's draw slots
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        if capture:
+            for _ in range(2):  # warm up outside the graph (allocator, lazy inits, kernels)
+                self._step(self.generators)
+            torch.cuda.synchronize(device)
+            self.graph = torch.cuda.CUDAGraph()
+            for g in self.generators:
+                self.graph.register_generator_state(g)
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = self._step(self.generators)
+
+    def _step(self, generators: list[torch.Generator]) -> tuple:
+        """(block [R, L], final [R], argmax [R, L], stable_run [R], soft_next [R, L, H]) from the buffers."""
+        model, rows, L = self.model, self.rows, self.L
+        num_keys, num_pad = self.geometry
+        self.attention.plan(num_keys, num_pad, self.page_table, self.ring)
+        positions = (num_keys[:, None] + torch.arange(L, device=self.device)).flatten()
+        hidden = model.forward_canvas(self.canvas.flatten(), positions, self.attention,
+                                      self.soft.flatten(0, 1)).view(rows, L, -1)
+        parts = []
+        chunk = max(1, self.runner.step_elements // (L * self.runner.vocab_size))  # the eager path's chunks
+        for lo in range(0, rows, chunk):
+            hi = min(lo + chunk, rows)
+            logits = model.compute_logits(hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
+            if not self.with_sampler:  # the bench's forward-only graph
+                continue
+            inputs = CanvasStepInputs(self.floats[0, lo:hi], self.floats[1, lo:hi], self.floats[2, lo:hi],
+                                      self.ints[0, lo:hi], self.ints[1, lo:hi].bool(), self.prev_argmax[lo:hi],
+                                      self.stable_run[lo:hi])
+            step = denoise_step(logits, self.canvas[lo:hi], inputs, generators[lo:hi])
+            parts.append((step.block, step.final, step.argmax, step.stable_run, model.soft_embed_probs(step.probs)))
+        if not parts:
+            return ()
+        return tuple(torch.cat(p) if len(parts) > 1 else p[0] for p in zip(*parts))
+
+    def load(self, requests: list[CanvasRequest], states: list[CanvasState]) -> None:
+        """Copy n <= R rows into the buffers; rows past n become padding."""
+        n, L = len(requests), self.L
+        geometry = np.zeros((2, self.rows), dtype=np.int64)
+        table = np.zeros(self.page_table.shape, dtype=np.int64)
+        ring = np.zeros(self.ring.shape, dtype=np.int64)
+        for i, request in enumerate(requests):
+            geometry[:, i] = max(0, request.active_block * L - request.num_pad), request.num_pad
+            table[i, :len(request.page_table)] = request.page_table
+            ring[i, :len(request.sliding_pages)] = request.sliding_pages
+        floats, ints = CanvasStepInputs.host_values(states, [r.knobs for r in requests])
+        host_floats = np.ones((3, self.rows), dtype=np.float32)
+        host_floats[:, :n] = floats
+        host_ints = np.zeros((2, self.rows), dtype=np.int64)
+        host_ints[:, :n] = ints
+        for buffer, array in ((self.geometry, geometry), (self.page_table, table), (self.ring, ring),
+                              (self.floats, host_floats), (self.ints, host_ints)):
+            buffer.copy_(torch.from_numpy(array), non_blocking=True)
+        self.canvas[:n] = torch.stack([s.canvas for s in states])
+        zeros = self.runner.zero_soft
+        self.soft[:n] = torch.stack([s.soft_embeds if s.soft_embeds is not None else zeros for s in states])
+        self.prev_argmax[:n] = torch.stack([s.prev_argmax if s.prev_argmax is not None else self.runner.no_argmax
+                                            for s in states])
+        self.stable_run[:n] = torch.stack([s.stable_run if s.stable_run is not None else self.runner.zero_run
+                                           for s in states])
+        if n < self.rows:
+            self.geometry[:, n:] = 0
+            self.soft[n:] = 0
+            self.prev_argmax[n:] = -1
+            self.stable_run[n:] = 0
+
+    def run(self, requests: list[CanvasRequest], states: list[CanvasState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One denoising step of these rows: (block [n, L], final [n]) on the device; each state
+        takes its new canvas, self-conditioning input, stopping history and generator position."""
+        n = len(requests)
+        self.load(requests, states)
+        if self.graph is None:
+            out = self._step([s.generator for s in states] + self.generators[n:])
+        else:
+            for slot, s in zip(self.generators, states):
+                slot.set_state(s.generator.get_state())
+            self.graph.replay()
+            for slot, s in zip(self.generators, states):
+                s.generator.set_state(slot.get_state())
+            out = self.out
+        if not self.with_sampler:
+            return None, None
+        # copies: the buffers are the next replay's; one copy each, rows are views of it
+        block, final, argmax, run, soft = (t[:n].clone() for t in out)
+        for i, s in enumerate(states):
+            s.canvas, s.soft_embeds, s.prev_argmax, s.stable_run = block[i], soft[i], argmax[i], run[i]
+            s.forwards += 1
+        return block, final

@@ -1,0 +1,105 @@
+"""The static denoising path (what a Diffusion-Gemma CUDA graph holds), called as is on CPU: rows
+padded to a ladder size, prefix keys to a power of two pages, per-row buffers, the sampler in
+tensors. It gives transformers' tokens (and so the eager path's) for batches that need padding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxlab.llm import LLM
+from test_canvas_engine import BASE, cases, check, prompt_ids
+
+
+def static_llm(row_sizes: list[int], *overrides: str) -> LLM:
+    llm = LLM(overrides=BASE + list(overrides))
+    llm.engine.runner.enable_denoise_graphs(row_sizes, capture=False)
+    return llm
+
+
+def count_static_steps(llm: LLM, monkeypatch) -> list[tuple[int, int]]:
+    """(rows, padded rows) of every step the static path ran."""
+    graphs = llm.engine.runner.graphs
+    runs, run = [], graphs.run
+
+    def counted(requests, states):
+        runs.append((len(requests), next(s for s in graphs.sizes if s >= len(requests))))
+        return run(requests, states)
+
+    monkeypatch.setattr(graphs, "run", counted)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def hf(one_thread):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from fluxlab.checkpoint_diffusion_gemma import PRESET
+    from fluxlab.checkpoint import ensure_tiny_checkpoint
+
+    path = ensure_tiny_checkpoint(preset=PRESET)
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def test_padded_static_path_equals_transformers(hf, monkeypatch):
+    """Ladder [2, 4] with 4 seats: batches of 1 and 3 denoising rows are padded (to 2 and 4); rows
+    that commit or prefill run eagerly in the same run."""
+    llm = static_llm([2, 4])
+    runs = count_static_steps(llm, monkeypatch)
+    check(llm, hf, cases(llm.engine.model_config.vocab_size))
+    assert {n for n, padded in runs if padded > n} >= {1, 3}
+    assert llm.engine.runner.num_eager_forwards > len(runs) > 0  # both paths ran
+
+
+def test_every_batch_padded_to_one_size_and_dynamic_policy(hf, monkeypatch):
+    llm = static_llm([4], "scheduler=dynamic")
+    runs = count_static_steps(llm, monkeypatch)
+    check(llm, hf, cases(llm.engine.model_config.vocab_size, seeds=(2, 3)))
+    assert any(n < 4 for n, _ in runs)
+
+
+def test_knobs_and_preemption_through_the_static_path(hf, monkeypatch):
+    """Per-request knobs are per-row buffers; preemption (6 pages for 4 seats) keeps each request's
+    state, which the static path reads back in whatever row it lands."""
+    llm = static_llm([1, 2, 4], "scheduler.num_device_pages=6")
+    runs = count_static_steps(llm, monkeypatch)
+    vocab = llm.engine.model_config.vocab_size
+    knobs = dict(max_denoising_steps=3, entropy_bound=2.0, t_min=0.3, t_max=0.9, stability_threshold=1,
+                 confidence_threshold=0.8)
+    check(llm, hf, [(prompt_ids(5, 7, vocab), 7, 12), (prompt_ids(11, 8, vocab), 8, 12)], **knobs)
+    results = check(llm, hf, cases(vocab, max_new=(20, 13)))
+    assert sum(r.stats.preemptions for r in results) > 0 and runs
+
+
+def test_static_step_matches_eager_step_values(one_thread):
+    """One step of three mid-canvas rows padded to 4: canvases, stopping history and generator
+    states equal the eager path's; the self-conditioning inputs agree to fp32 rounding (not bit for
+    bit: full layers gather 16 prefix keys where the eager batch gathers its longest row's 13, and
+    CPU sdpa blocks a longer key axis differently; the eager path pads every row to its batch's
+    longest prefix the same way, which is why parity with transformers is per token)."""
+    from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+
+    eager, static = LLM(overrides=BASE), static_llm([4])
+    vocab = eager.engine.model_config.vocab_size
+    params = [dict(max_new_tokens=16, seed=s) for s in (0, 1, 2)]
+    from fluxlab.engine.request import SamplingParams
+
+    states = []
+    for llm in (eager, static):
+        engine = llm.engine
+        for i, p in enumerate(params):
+            engine.add_request(prompt_ids(5 + 4 * i, i, vocab), SamplingParams(**p))
+        for _ in range(4):  # prefill, then denoising steps
+            engine.step()
+        requests = list(engine.requests.values())
+        batch = ScheduledBatch.of_rows([ScheduledRow(r, r.active_block, 1, True) for r in requests],
+                                       engine.block_length)
+        assert llm is eager or engine.runner.graphs.can_run(batch)
+        out = engine.runner.run(batch)
+        states.append((out, [r.canvas for r in requests]))
+    (out_e, st_e), (out_s, st_s) = states
+    assert (out_e.blocks == out_s.blocks).all() and (out_e.final == out_s.final).all()
+    for a, b in zip(st_e, st_s):
+        assert torch.equal(a.canvas, b.canvas)
+        torch.testing.assert_close(a.soft_embeds, b.soft_embeds, rtol=1e-5, atol=1e-4)
+        assert torch.equal(a.prev_argmax, b.prev_argmax) and int(a.stable_run) == int(b.stable_run)
+        assert a.forwards == b.forwards and torch.equal(a.generator.get_state(), b.generator.get_state())
