@@ -103,3 +103,44 @@ def test_static_step_matches_eager_step_values(one_thread):
         torch.testing.assert_close(a.soft_embeds, b.soft_embeds, rtol=1e-5, atol=1e-4)
         assert torch.equal(a.prev_argmax, b.prev_argmax) and int(a.stable_run) == int(b.stable_run)
         assert a.forwards == b.forwards and torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
+def test_decode_graph_keys_are_honoured_or_refused_by_name():
+    from fluxlab.config import ConfigError, compose, validate_config
+
+    def valid(*overrides, cuda=True):
+        cfg = compose("serve", ["model=tiny_diffusion_gemma", *overrides])
+        validate_config(cfg, cuda_available=cuda)
+        return cfg
+
+    cfg = valid("attention.use_decode_cuda_graph=true", "scheduler.max_num_seqs=8")
+    assert cfg.attention.backend == "sdpa" and list(cfg.attention.cuda_graph_capture_bs) == [1, 2, 4, 8]
+    assert valid("attention.use_cuda_graph=true").attention.use_decode_cuda_graph
+    assert list(valid("attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[3,1]")
+                .attention.cuda_graph_capture_bs) == [1, 3]
+    for overrides, message in (
+            (["attention.use_prefill_cuda_graph=true"], "attention.use_prefill_cuda_graph=true: model=tiny_diffusion"),
+            (["attention.use_decode_cuda_graph=true", "attention.cuda_graph_decode_mode=decomposed"],
+             "attention.cuda_graph_decode_mode=decomposed: model=tiny_diffusion_gemma"),
+            (["attention=flashinfer", "attention.use_decode_cuda_graph=true"], "attention.backend=flashinfer")):
+        with pytest.raises(ConfigError, match=message):
+            valid(*overrides)
+    with pytest.raises(ConfigError, match="need a CUDA device"):
+        valid("attention.use_decode_cuda_graph=true", "engine.device=cpu", cuda=False)
+
+
+def test_row_ladder_and_key_buckets():
+    from fluxlab.engine.canvas_graphs import denoise_row_sizes
+
+    assert denoise_row_sizes([1, 16, 64], 4) == [1] + list(range(4, 65, 4))
+    assert denoise_row_sizes([1, 2], 4) == [1, 2]
+    llm = static_llm([2, 4])
+    graphs, L = llm.engine.runner.graphs, llm.engine.block_length
+
+    class Row:
+        def __init__(self, block, pad):
+            self.active_block, self.num_pad = block, pad
+
+    assert graphs.key_pages([Row(1, 3)]) == 1 and graphs.key_pages([Row(2, 3), Row(3, 0)]) == 4
+    assert graphs.key_pages([Row(60, 0)]) == graphs.max_key_pages == llm.engine.runner.pages_per_seq - 1
+    assert L * graphs.max_key_pages >= llm.engine.max_model_len
