@@ -11,6 +11,10 @@ TPF: `filled` is 0 on a denoising step and, on the final one, the tokens that ca
 output (cut at max_new_tokens, EOS included), so tokens_accepted / forwards is transformers'
 tokens_per_forward (accepted tokens per denoiser forward).
 
+A batch whose rows all denoise their canvas alone (no commit, no prefill) runs the static path
+instead when it is enabled (`enable_denoise_graphs`, canvas_graphs.py): the same step in fixed
+buffers, replayed as a CUDA graph; `can_run(batch)` is the seam, every other batch runs eagerly here.
+
 Memory: full-attention layers keep a page per canvas (request.page_table); sliding layers a ring
 of `ring_size` pages (request.sliding_pages, canvas_pages.py), block b on ring[b % ring_size].
 """

@@ -106,7 +106,8 @@ class StaticDenoiser:
             self.graph = torch.cuda.CUDAGraph()
             for g in self.generators:
                 self.graph.register_generator_state(g)
-            with torch.cuda.graph(self.graph, pool=pool):
+            # thread_local: a serving thread that touches CUDA during a (lazy) capture does not void it
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.out = self._step(self.generators)
 
     def _step(self, generators: list[torch.Generator]) -> tuple:

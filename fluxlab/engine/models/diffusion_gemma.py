@@ -7,6 +7,8 @@ decoder tie every text weight:
   prefix + canvas, no K/V writes; the previous step's logits come back in as soft embeddings
   through the self-conditioning MLP (zeros on the first step).
 - `forward(ids, positions, attn, is_canvas, soft_embeds)`: both in one flattened batch (the engine's).
+- `forward_canvas(ids, positions, attn, soft_embeds)`: canvas tokens only, static shapes, no host
+  sync (the denoiser CUDA graphs, canvas_static.py).
 Both return hidden states; `compute_logits` applies the tied head and the final soft-cap.
 The model sees flattened tokens, absolute positions and an attention backend with
 `attn.forward(layer_idx, q, k, v)` (diffusion_gemma_attention.py); never requests or masks.
