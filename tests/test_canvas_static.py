@@ -144,3 +144,39 @@ def test_row_ladder_and_key_buckets():
     assert graphs.key_pages([Row(1, 3)]) == 1 and graphs.key_pages([Row(2, 3), Row(3, 0)]) == 4
     assert graphs.key_pages([Row(60, 0)]) == graphs.max_key_pages == llm.engine.runner.pages_per_seq - 1
     assert L * graphs.max_key_pages >= llm.engine.max_model_len
+
+
+def test_static_step_never_reads_the_device_back(one_thread):
+    """A CUDA graph cannot hold a host sync or a data-dependent shape: the static step (forward,
+    logits, sampler, self-conditioning) calls none of the ops that need one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fluxlab.engine.request import SamplingParams
+
+    llm = static_llm([4])
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    for i in range(3):
+        engine.add_request(prompt_ids(5 + 4 * i, i, vocab), SamplingParams(max_new_tokens=16, seed=i))
+    for _ in range(3):
+        engine.step()
+    requests = list(engine.requests.values())
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        denoiser = engine.runner.graphs.denoiser(len(requests), engine.runner.graphs.key_pages(requests))
+        denoiser.load(requests, [r.canvas for r in requests])
+        with Ops() as ops:
+            denoiser._step(denoiser.generators)
+    syncing = {"_local_scalar_dense", "item", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "bincount",
+               "masked_select", "is_nonzero", "equal", "repeat_interleave", "multinomial"}
+    assert {"scaled_dot_product_attention", "exponential_", "randint", "sort"} <= ops.names
+    assert not ops.names & syncing
