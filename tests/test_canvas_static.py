@@ -16,14 +16,14 @@ def static_llm(row_sizes: list[int], *overrides: str) -> LLM:
     return llm
 
 
-def count_static_steps(llm: LLM, monkeypatch) -> list[tuple[int, int]]:
-    """(rows, padded rows) of every step the static path ran."""
+def count_static_steps(llm: LLM, monkeypatch) -> list[tuple[int, int, int]]:
+    """(rows, padded rows, rows that commit first) of every step the static path ran."""
     graphs = llm.engine.runner.graphs
     runs, run = [], graphs.run
 
-    def counted(requests, states):
-        runs.append((len(requests), next(s for s in graphs.sizes if s >= len(requests))))
-        return run(requests, states)
+    def counted(requests, states, commits):
+        runs.append((len(requests), next(s for s in graphs.sizes if s >= len(requests)), sum(commits)))
+        return run(requests, states, commits)
 
     monkeypatch.setattr(graphs, "run", counted)
     return runs
@@ -42,19 +42,37 @@ def hf(one_thread):
 
 def test_padded_static_path_equals_transformers(hf, monkeypatch):
     """Ladder [2, 4] with 4 seats: batches of 1 and 3 denoising rows are padded (to 2 and 4); rows
-    that commit or prefill run eagerly in the same run."""
+    that prefill several blocks run eagerly in the same run."""
     llm = static_llm([2, 4])
     runs = count_static_steps(llm, monkeypatch)
     check(llm, hf, cases(llm.engine.model_config.vocab_size))
-    assert {n for n, padded in runs if padded > n} >= {1, 3}
-    assert llm.engine.runner.num_eager_forwards > len(runs) > 0  # both paths ran
+    assert {n for n, padded, _ in runs if padded > n} >= {1, 3}
+    assert llm.engine.runner.num_eager_forwards > len(runs) > 0  # un-captured static steps count as eager
+
+
+@pytest.mark.parametrize("policy", ["paged", "dynamic"])
+def test_commit_graph_commits_a_canvas_while_denoising_the_next(hf, monkeypatch, policy):
+    """Four requests, several canvases each, early stops at different steps: a canvas is committed
+    in the forward that denoises the next one. Paged commits every row together (also in a padded
+    batch); dynamic commits some rows beside rows that only denoise (their dummy block goes to the
+    scratch page)."""
+    llm = static_llm([2, 4], f"scheduler={policy}")
+    runs = count_static_steps(llm, monkeypatch)
+    vocab = llm.engine.model_config.vocab_size
+    check(llm, hf, [(prompt_ids(n, s, vocab), s, m) for n, s, m in ((8, 0, 24), (13, 1, 20), (16, 2, 24),
+                                                                        (21, 3, 17))])
+    if policy == "paged":
+        assert any(commits == n > 1 for n, _, commits in runs)
+        assert any(padded > n and commits for n, padded, commits in runs)
+    else:
+        assert any(0 < commits < n for n, _, commits in runs)
 
 
 def test_every_batch_padded_to_one_size_and_dynamic_policy(hf, monkeypatch):
     llm = static_llm([4], "scheduler=dynamic")
     runs = count_static_steps(llm, monkeypatch)
     check(llm, hf, cases(llm.engine.model_config.vocab_size, seeds=(2, 3)))
-    assert any(n < 4 for n, _ in runs)
+    assert any(n < 4 for n, *_ in runs)
 
 
 def test_knobs_and_preemption_through_the_static_path(hf, monkeypatch):
@@ -173,7 +191,7 @@ def test_static_step_never_reads_the_device_back(one_thread):
 
     with torch.inference_mode():
         denoiser = engine.runner.graphs.denoiser(len(requests), engine.runner.graphs.key_pages(requests))
-        denoiser.load(requests, [r.canvas for r in requests])
+        denoiser.load(requests, [r.canvas for r in requests], [False] * len(requests))
         with Ops() as ops:
             denoiser._step(denoiser.generators)
     syncing = {"_local_scalar_dense", "item", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "bincount",

@@ -52,8 +52,10 @@ class CanvasRunner:
         self.ring_size = ring_size
         # blocks before the one being written that a later sliding query can still see
         self.window_blocks = math.ceil((model.sliding_window - 1) / canvas_length)
-        self.cache = CanvasKVCache(kv_shapes(model.config), model.layer_is_sliding, num_pages, num_sliding_pages,
-                                   canvas_length, dtype, device)
+        # one scratch page past each pool: the commit graph's padding rows write their K/V there
+        self.cache = CanvasKVCache(kv_shapes(model.config), model.layer_is_sliding, num_pages + 1,
+                                   num_sliding_pages + 1, canvas_length, dtype, device)
+        self.scratch_pages = {False: num_pages, True: num_sliding_pages}
         self._sliding_backup = None  # (slots, copies) a failed step puts back
         self.attention = PagedCanvasAttention(self.cache, model.layer_is_sliding)
         self.num_graph_forwards = 0
@@ -189,13 +191,14 @@ class CanvasRunner:
 
     def _run_static(self, batch: ScheduledBatch) -> StepOutput:
         decoding = list(batch.requests)
+        commits = (batch.num_blocks == 2).tolist()
         states = [self._state(r) for r in decoding]
         self.launched_at = time.perf_counter()
         if self.graphs.capture:
             self.num_graph_forwards += 1
         else:
             self.num_eager_forwards += 1
-        block, final = self.graphs.run(decoding, states)
+        block, final = self.graphs.run(decoding, states, commits)
         return self._finish(decoding, states, block, final)
 
     def _finish(self, decoding: list[CanvasRequest], states: list[CanvasState], block: torch.Tensor,

@@ -137,13 +137,19 @@ class DiffusionGemmaModel(nn.Module):
             h = h.index_copy(0, canvas, self.self_conditioning(embeds, soft))
         return self._layers(h, positions, attn, encoder=~is_canvas)
 
-    def forward_canvas(self, ids: torch.Tensor, positions: torch.Tensor, attn,
-                       soft_embeds: torch.Tensor) -> torch.Tensor:
-        """`forward` of canvas tokens only (a batch of denoising rows; `soft_embeds` zeros where a
-        canvas takes its first step), with static shapes and no host sync, so a CUDA graph can hold
-        it (canvas_graphs.py). Every per-token op is `forward`'s, so the values are too."""
-        h = self.self_conditioning(self.embed(ids), soft_embeds)
-        return self._layers(h, positions, attn, encoder=False, static=True)
+    def forward_canvas(self, ids: torch.Tensor, positions: torch.Tensor, attn, soft_embeds: torch.Tensor,
+                       is_canvas: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` with static shapes and no host sync, so a CUDA graph can hold it
+        (canvas_static.py): canvas tokens only (is_canvas None), or a mix where `soft_embeds`
+        covers every token (its rows at encoder tokens are not read). The self-conditioning MLP
+        runs on every token and only canvas tokens keep it; every op is per token, so the values
+        are `forward`'s."""
+        h = self.embed(ids)
+        conditioned = self.self_conditioning(h, soft_embeds)
+        if is_canvas is None:
+            return self._layers(conditioned, positions, attn, encoder=False, static=True)
+        h = torch.where(is_canvas[:, None], conditioned, h)
+        return self._layers(h, positions, attn, encoder=~is_canvas, static=True)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head, then fp32 soft-capping cap * tanh(logits / cap)."""
