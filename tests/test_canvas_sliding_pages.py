@@ -110,7 +110,7 @@ def test_pools_are_sized_per_layer_type():
     assert manager.num_sliding_pages == engine.cfg.scheduler.max_num_seqs * manager.ring_size
     for sliding, k, v in zip(engine.model.layer_is_sliding, cache.k, cache.v):
         pages = manager.num_sliding_pages if sliding else manager.num_pages
-        assert k.shape[0] == v.shape[0] == pages * L
+        assert k.shape[0] == v.shape[0] == (pages + 1) * L  # + the commit graph's scratch page
 
 
 def test_documented_memory_of_an_8k_request_at_26b_a4b():
