@@ -34,12 +34,14 @@ try:
     results = json.load(open(path))
 except Exception as err:  # the bench died before writing its first mode
     raise SystemExit(f"no bench JSON ({err})")
-print(f"{'graphs':>6} {'batch':>5} {'step ms':>9} {'fwd ms':>9} {'commit ms':>9}   (step = forward + sampler)")
+print(f"{'graphs':>6} {'batch':>5} {'step ms':>9} {'fwd ms':>9} {'commit ms':>9} {'commit+step':>11}"
+      "   (step = forward + sampler; commit alone is eager)")
 for mode, r in results.items():
     if "error" in r:
         print(f"{mode:>6} failed: {r['error'][:200]}")
     for f in r.get("forwards", []):
-        print(f"{mode:>6} {f['batch']:>5} {f['denoise_ms']:>9.1f} {f['denoise_forward_ms']:>9.1f} {f['commit_ms']:>9.1f}")
+        print(f"{mode:>6} {f['batch']:>5} {f['denoise_ms']:>9.1f} {f['denoise_forward_ms']:>9.1f} {f['commit_ms']:>9.1f}"
+              f" {f.get('commit_denoise_ms', float('nan')):>11.1f}")
 print(f"{'graphs':>6} {'conc':>5} {'tok/s':>9} {'TPF':>6} {'graph fwd':>9}")
 for mode, r in results.items():
     for f in r.get("served", []):

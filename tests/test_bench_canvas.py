@@ -25,6 +25,8 @@ def test_canvas_bench_smoke_graphs_both(tmp_path, one_thread):
     results = json.loads(out.read_text())
     assert set(results) == {"off", "on"}
     assert [r["graphs"] for r in results["on"]["forwards"]] == [True, True]
+    assert [r["commit_graphs"] for r in results["on"]["forwards"]] == [True, True]
+    assert all(r["commit_denoise_ms"] > 0 for mode in results.values() for r in mode["forwards"])
     assert [r["graphs"] for r in results["off"]["forwards"]] == [False, False]
     assert all(r["denoise_forward_ms"] > 0 for r in results["on"]["forwards"])
     assert results["on"]["served"][0]["output_tokens"] == results["off"]["served"][0]["output_tokens"] == 2 * 16

@@ -63,12 +63,14 @@ def test_graph_generator_slot_draws_the_requests_numbers():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_graph_replay_equals_the_static_path_called_eagerly(dtype):
     """Same buffers, same kernels: a replay gives exactly the un-captured static path's tokens.
-    Six seats and graphs of 1, 2, 4 rows: batches of 3 pad to 4, of 5-6 run eagerly."""
+    Six seats and graphs of 1, 2, 4 rows: batches of 3 pad to 4, of 5-6 run eagerly; steps that
+    commit a canvas replay the commit graph."""
     graphs = _llm(*GRAPHS, f"engine.dtype={dtype}")
     got = _generate(graphs)
     runner = graphs.engine.runner
     assert runner.num_graph_forwards > 0 and runner.num_eager_forwards > 0
-    assert {key[0] for key in runner.graphs.denoisers} >= {1, 2, 4}
+    captured = runner.graphs.denoisers
+    assert len({key[0] for key in captured}) >= 2 and any(key[3] for key in captured)  # row sizes; a commit graph
     graphs.shutdown()
     static = _llm(f"engine.dtype={dtype}")
     static.engine.runner.enable_denoise_graphs([1, 2, 4], capture=False)

@@ -189,12 +189,15 @@ def test_static_step_never_reads_the_device_back(one_thread):
             self.names.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
+    ops = Ops()
     with torch.inference_mode():
-        denoiser = engine.runner.graphs.denoiser(len(requests), engine.runner.graphs.key_pages(requests))
-        denoiser.load(requests, [r.canvas for r in requests], [False] * len(requests))
-        with Ops() as ops:
-            denoiser._step(denoiser.generators)
+        for commits in (False, True):  # the denoise-only graph and the commit graph
+            denoiser = engine.runner.graphs.denoiser(len(requests), engine.runner.graphs.key_pages(requests),
+                                                     commits=commits)
+            denoiser.load(requests, [r.canvas for r in requests], [commits] * len(requests))
+            with ops:
+                denoiser._step(denoiser.generators)
     syncing = {"_local_scalar_dense", "item", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "bincount",
                "masked_select", "is_nonzero", "equal", "repeat_interleave", "multinomial"}
-    assert {"scaled_dot_product_attention", "exponential_", "randint", "sort"} <= ops.names
+    assert {"scaled_dot_product_attention", "exponential_", "randint", "sort", "index_put_"} <= ops.names
     assert not ops.names & syncing
