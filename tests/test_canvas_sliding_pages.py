@@ -90,8 +90,8 @@ def test_chunked_prefill_reuses_ring_slots_and_a_failed_step_puts_them_back(hf, 
         saves.append(slots.numel())
         return real_save(slots)
 
-    def failing_once(logits, current, states, knobs):
-        result = real_step(logits, current, states, knobs)
+    def failing_once(logits, current, states, knobs, **kwargs):
+        result = real_step(logits, current, states, knobs, **kwargs)
         if runner._sliding_backup is not None and not failed:
             failed.append(True)
             raise RuntimeError("injected")

@@ -144,6 +144,7 @@ def capture_served_graphs(engine, concurrency: int, prompt_tokens: int, max_new_
     with torch.inference_mode():
         while True:
             graphs.denoiser(concurrency, pages)
+            graphs.denoiser(concurrency, pages, commits=True)  # the step after a canvas is accepted
             if pages >= largest:
                 break
             pages = min(2 * pages, largest)

@@ -180,7 +180,7 @@ class CanvasRunner:
             hi = min(lo + chunk, len(decoding))
             logits = self.model.compute_logits(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
             step = canvas_step(logits, torch.stack([s.canvas for s in states[lo:hi]]), states[lo:hi],
-                               [r.knobs for r in decoding[lo:hi]])
+                               [r.knobs for r in decoding[lo:hi]], inplace=True)
             soft_next = self.model.soft_embed_probs(step.probs)
             for i, s in enumerate(states[lo:hi]):
                 s.canvas = step.block[i]

@@ -173,7 +173,7 @@ class StaticDenoiser:
             inputs = CanvasStepInputs(self.floats[0, lo:hi], self.floats[1, lo:hi], self.floats[2, lo:hi],
                                       self.ints[0, lo:hi], self.ints[1, lo:hi].bool(), self.prev_argmax[lo:hi],
                                       self.stable_run[lo:hi])
-            step = denoise_step(logits, self.canvas[lo:hi], inputs, generators[lo:hi])
+            step = denoise_step(logits, self.canvas[lo:hi], inputs, generators[lo:hi], inplace=True)
             parts.append((step.block, step.final, step.argmax, step.stable_run, model.soft_embed_probs(step.probs)))
         if not parts:
             return ()

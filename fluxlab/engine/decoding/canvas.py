@@ -163,7 +163,7 @@ class CanvasStepResult:
 
 
 def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStepInputs,
-                 generators: list[torch.Generator]) -> CanvasStepResult:
+                 generators: list[torch.Generator], inplace: bool = False) -> CanvasStepResult:
     """One denoising step for R rows, tensors only (no host sync, so a CUDA graph can hold it):
     raw logits [R, L, V] (fp32, soft-capped), the canvases the forward read [R, L], row r drawing
     from generators[r] (its multinomial over the canvas, then its renoise canvas).
@@ -173,9 +173,11 @@ def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStep
     which is what transformers feeds back: softmax of the fp32 processed logits), one noise tensor
     reused as the multinomial's quotient, and the entropy's two tensors updated in place. Every
     value is the one transformers' ops give (torch.multinomial's own one-sample path is
-    argmax(p / q), q ~ Exp(1), drawn by `exponential_` from the same generator)."""
+    argmax(p / q), q ~ Exp(1), drawn by `exponential_` from the same generator). inplace: the
+    temperature scaling overwrites `logits` (the engine's, which nothing reads after)."""
     rows, length, vocab = logits.shape
-    processed = logits / inputs.temperature[:, None, None]
+    temperature = inputs.temperature[:, None, None]
+    processed = logits.div_(temperature) if inplace else logits / temperature
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     quotient = torch.empty_like(probs)
     for r, g in enumerate(generators):
@@ -215,11 +217,11 @@ def draw_canvas(generator: torch.Generator, vocab_size: int, canvas_length: int)
 
 
 def canvas_step(logits: torch.Tensor, current: torch.Tensor, states: list[CanvasState],
-                knobs: list[CanvasKnobs]) -> CanvasStepResult:
+                knobs: list[CanvasKnobs], inplace: bool = False) -> CanvasStepResult:
     """`denoise_step` for these requests' states; advances each state's stopping history and step
     count (the caller stores the canvas and the self-conditioning input)."""
     inputs = CanvasStepInputs.of(states, knobs, logits.shape[1], logits.device)
-    step = denoise_step(logits, current, inputs, [s.generator for s in states])
+    step = denoise_step(logits, current, inputs, [s.generator for s in states], inplace)
     for r, s in enumerate(states):
         s.prev_argmax, s.stable_run = step.argmax[r], step.stable_run[r]
         s.forwards += 1
