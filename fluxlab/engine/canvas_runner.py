@@ -178,9 +178,10 @@ class CanvasRunner:
         chunk = max(1, self.step_elements // (L * self.vocab_size))
         for lo in range(0, len(decoding), chunk):
             hi = min(lo + chunk, len(decoding))
-            logits = self.model.compute_logits(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
+            logits = self.model.head(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
             step = canvas_step(logits, torch.stack([s.canvas for s in states[lo:hi]]), states[lo:hi],
-                               [r.knobs for r in decoding[lo:hi]], inplace=True)
+                               [r.knobs for r in decoding[lo:hi]], inplace=True, raw=True,
+                               softcap=self.model.final_logit_softcapping)
             soft_next = self.model.soft_embed_probs(step.probs)
             for i, s in enumerate(states[lo:hi]):
                 s.canvas = step.block[i]

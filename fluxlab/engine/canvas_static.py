@@ -167,13 +167,15 @@ class StaticDenoiser:
         chunk = max(1, self.runner.step_elements // (L * self.runner.vocab_size))  # the eager path's chunks
         for lo in range(0, rows, chunk):
             hi = min(lo + chunk, rows)
-            logits = model.compute_logits(hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
-            if not self.with_sampler:  # the bench's forward-only graph
+            if not self.with_sampler:  # the bench's forward-only graph: the forward and its logits
+                model.compute_logits(hidden[lo:hi].flatten(0, 1))
                 continue
+            logits = model.head(hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
             inputs = CanvasStepInputs(self.floats[0, lo:hi], self.floats[1, lo:hi], self.floats[2, lo:hi],
                                       self.ints[0, lo:hi], self.ints[1, lo:hi].bool(), self.prev_argmax[lo:hi],
                                       self.stable_run[lo:hi])
-            step = denoise_step(logits, self.canvas[lo:hi], inputs, generators[lo:hi], inplace=True)
+            step = denoise_step(logits, self.canvas[lo:hi], inputs, generators[lo:hi], inplace=True, raw=True,
+                                softcap=model.final_logit_softcapping)
             parts.append((step.block, step.final, step.argmax, step.stable_run, model.soft_embed_probs(step.probs)))
         if not parts:
             return ()

@@ -156,36 +156,50 @@ class CanvasStepResult:
     block: torch.Tensor  # [R, L] the next forward's canvas, or the committed argmax canvas where final
     final: torch.Tensor  # [R] bool
     accepted: torch.Tensor  # [R] positions accepted this step
-    processed: torch.Tensor  # [R, L, V] temperature-scaled logits
+    processed: Optional[torch.Tensor]  # [R, L, V] temperature-scaled logits (None from the CUDA kernel)
     probs: torch.Tensor  # [R, L, V] softmax(processed) in fp32: the next step's self-conditioning input
     argmax: torch.Tensor  # [R, L] argmax canvas (the next step's prev_argmax)
     stable_run: torch.Tensor  # [R] the next step's stable_run
 
 
 def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStepInputs,
-                 generators: list[torch.Generator], inplace: bool = False) -> CanvasStepResult:
+                 generators: list[torch.Generator], inplace: bool = False, raw: bool = False,
+                 softcap: Optional[float] = None) -> CanvasStepResult:
     """One denoising step for R rows, tensors only (no host sync, so a CUDA graph can hold it):
-    raw logits [R, L, V] (fp32, soft-capped), the canvases the forward read [R, L], row r drawing
-    from generators[r] (its multinomial over the canvas, then its renoise canvas).
+    logits [R, L, V] (fp32 soft-capped; or, raw=True, the head's output, soft-capped here by `softcap`),
+    the canvases the forward read [R, L], row r drawing from generators[r] (its multinomial over
+    the canvas, then its renoise canvas). inplace: `logits` may be overwritten (the engine's).
 
-    Memory traffic over [R, L, V] fp32, the dominant cost at 26B-A4B shapes (256 MiB a row per
-    tensor): processed, its softmax (used twice: the multinomial and the self-conditioning input,
-    which is what transformers feeds back: softmax of the fp32 processed logits), one noise tensor
-    reused as the multinomial's quotient, and the entropy's two tensors updated in place. Every
-    value is the one transformers' ops give (torch.multinomial's own one-sample path is
-    argmax(p / q), q ~ Exp(1), drawn by `exponential_` from the same generator). inplace: the
-    temperature scaling overwrites `logits` (the engine's, which nothing reads after)."""
+    On CPU every value is the one transformers' ops give: soft-cap, temperature, softmax (used
+    twice: the multinomial and the self-conditioning input, which is what transformers feeds back),
+    Categorical's entropy with its temporaries in place; torch.multinomial's own one-sample path is
+    argmax(p / q), q ~ Exp(1), drawn by `exponential_` from the same generator, so it runs as that
+    over one noise tensor for all rows. On CUDA the argmax, probabilities and entropy come from
+    two passes over the raw logits (fluxlab/kernels/canvas_stats.py) instead of ~30 fp32 ones."""
+    from fluxlab.kernels.canvas_stats import canvas_stats, use_kernel
+
     rows, length, vocab = logits.shape
-    temperature = inputs.temperature[:, None, None]
-    processed = logits.div_(temperature) if inplace else logits / temperature
-    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    processed = None
+    if raw and use_kernel(logits):
+        temperature = inputs.temperature[:, None].expand(rows, length).reshape(-1)
+        argmax, entropy, probs = canvas_stats(logits.view(rows * length, vocab), temperature, softcap)
+        argmax, entropy, probs = argmax.view(rows, length), entropy.view(rows, length), probs.view(rows, length, -1)
+    else:
+        if raw:  # compute_logits' ops
+            logits = logits.float() if inplace else logits.float().clone()
+            if softcap:
+                logits.div_(softcap).tanh_().mul_(softcap)
+            inplace = True
+        temperature = inputs.temperature[:, None, None]
+        processed = logits.div_(temperature) if inplace else logits / temperature
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        argmax = processed.argmax(dim=-1)
+        entropy = _entropy(processed)  # [R, L]
     quotient = torch.empty_like(probs)
     for r, g in enumerate(generators):
         quotient[r].exponential_(1, generator=g)
     sampled = torch.div(probs, quotient, out=quotient).argmax(dim=-1)
     del quotient
-    argmax = processed.argmax(dim=-1)
-    entropy = _entropy(processed)  # [R, L]
     sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
     selected = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= inputs.entropy_bound[:, None]
     accepted = torch.scatter(torch.zeros_like(selected), dim=-1, index=order, src=selected)
@@ -217,11 +231,12 @@ def draw_canvas(generator: torch.Generator, vocab_size: int, canvas_length: int)
 
 
 def canvas_step(logits: torch.Tensor, current: torch.Tensor, states: list[CanvasState],
-                knobs: list[CanvasKnobs], inplace: bool = False) -> CanvasStepResult:
+                knobs: list[CanvasKnobs], inplace: bool = False, raw: bool = False,
+                softcap: Optional[float] = None) -> CanvasStepResult:
     """`denoise_step` for these requests' states; advances each state's stopping history and step
     count (the caller stores the canvas and the self-conditioning input)."""
     inputs = CanvasStepInputs.of(states, knobs, logits.shape[1], logits.device)
-    step = denoise_step(logits, current, inputs, [s.generator for s in states], inplace)
+    step = denoise_step(logits, current, inputs, [s.generator for s in states], inplace, raw, softcap)
     for r, s in enumerate(states):
         s.prev_argmax, s.stable_run = step.argmax[r], step.stable_run[r]
         s.forwards += 1

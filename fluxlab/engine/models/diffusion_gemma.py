@@ -151,10 +151,14 @@ class DiffusionGemmaModel(nn.Module):
         h = torch.where(is_canvas[:, None], conditioned, h)
         return self._layers(h, positions, attn, encoder=~is_canvas, static=True)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied head's raw logits in the model dtype (the canvas step soft-caps them itself)."""
+        return F.linear(hidden, self.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head, then fp32 soft-capping cap * tanh(logits / cap), in place on the fp32 copy
         ([tokens, vocab]: 1 GiB a 256-token canvas at 262144 ids, so no extra copies)."""
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        logits = self.head(hidden).float()
         cap = self.final_logit_softcapping
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 
