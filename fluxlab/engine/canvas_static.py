@@ -1,18 +1,20 @@
-"""The denoising step of R canvas rows with static shapes: what a CUDA graph of it holds.
+"""The canvas step of R rows with static shapes: what a Diffusion-Gemma CUDA graph holds.
 
-A batch of pure denoising rows (each row one canvas, no commit or prefill blocks: most steps of a
-canvas-decoding run) writes no K/V, so its forward depends on a few numbers per row: the canvas
-and its self-conditioning input, its prefix length K, its left padding and its page tables.
-`StaticDenoiser` keeps those in fixed buffers of R rows and computes everything else on the
-device from them: the attention's cache slots and masks (`StaticCanvasAttention`), the forward
-(`DiffusionGemmaModel.forward_canvas`), the logits and the canvas sampler (`denoise_step`), the
-next self-conditioning input. Rows past the batch are padding: K = 0 (they see only their own
-canvas), page 0 read and masked out, temperature 1; nothing is written, so no scratch page.
+Most steps of canvas decoding denoise each row's canvas alone (no K/V written); the rest commit
+the canvas just accepted and denoise the next one in the same forward. Both depend on a few
+numbers per row: the canvas and its self-conditioning input, the prefix length K, the left
+padding, the page tables (and the block a row commits). `StaticDenoiser` keeps those in fixed
+buffers of R rows and computes everything else on the device from them: cache slots and masks
+(`StaticCanvasAttention`), the forward (`DiffusionGemmaModel.forward_canvas`), the logits, the
+canvas sampler (`denoise_step`) and the next self-conditioning input. Rows past the batch are
+padding: K = 0 (they see only their own canvas), page 0 read and masked out, temperature 1; in
+the commit graph they (and rows committing nothing) write a dummy block to a scratch page.
 
-Full-attention layers gather `key_pages * L` prefix keys a row (a bucket of the batch's longest
-prefix, canvas_graphs.py), sliding layers `window - 1` (all a canvas query sees); keys past a
-row's K are masked. Masked keys add exact zeros, so a row's values are the eager path's, whatever
-the padding (the CPU tests check token parity with transformers through this path).
+Keys: full-attention layers gather `key_pages * L` prefix keys a row (a power-of-two bucket of the
+batch's longest prefix, canvas_graphs.py), sliding layers `window - 1` (+ L in the commit graph);
+keys past a row's K are masked. The eager path pads every row to its batch's longest prefix the
+same way, so values agree with it to fp32 rounding (CPU sdpa blocks a longer key axis
+differently) and tokens are transformers' (the CPU tests run this path against its generate()).
 
 Randomness: row r draws from generators[r]. On CPU (and the un-captured path) those are the
 requests' own generators. Under a CUDA graph they are R generators registered with the graph
@@ -20,7 +22,8 @@ requests' own generators. Under a CUDA graph they are R generators registered wi
 device memory and advances the offset by what capture consumed, so copying a request's state into
 slot r before the replay and back after it (`get_state`/`set_state`, host-side bytes, no sync)
 makes the graph draw exactly the numbers the eager kernels draw from that request's generator,
-in the same order (its multinomial, then its renoise canvas). The draws stay in the graph.
+in the same order (its multinomial's Exp(1) noise, then its renoise canvas). The draws stay in
+the graph: keeping them outside would split it in three and add a host round trip per row.
 """
 from __future__ import annotations
 
