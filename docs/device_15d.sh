@@ -14,13 +14,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 git log --oneline -1 2>/dev/null
 
 t "A: gpu tests (tests/test_canvas*.py -m gpu)"
-timeout 80 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:warnings tests/test_canvas*.py \
+timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:warnings tests/test_canvas*.py \
   > "$OUT/gpu_tests_15d.log" 2>&1
 echo "A exit $?"
 grep -E "^(FAILED|ERROR)|^E |passed|failed|error" "$OUT/gpu_tests_15d.log" | cut -c1-240 | tail -20
 
 t "B: bench.canvas --graphs both (26B-A4B shapes, random bf16)"
-timeout 150 python3 -m fluxlab.bench.canvas --graphs both --batch-sizes 1,16,64 --concurrency 1,16 --steps 16 \
+timeout 140 python3 -m fluxlab.bench.canvas --graphs both --batch-sizes 1,16,64 --concurrency 1,16 --steps 16 \
   --prompt-tokens 256 --max-new-tokens 512 --repeats 3 --out "$OUT/canvas_bench_15d.json" \
   > "$OUT/canvas_bench_15d.log" 2>&1
 echo "B exit $?"

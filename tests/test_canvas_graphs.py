@@ -3,6 +3,8 @@ own generator and give the tokens of the same static path called as is (bf16, fp
 eager engine (fp32), for batches of several row counts padded to the ladder."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -17,6 +19,20 @@ def _llm(*overrides):
     from fluxlab.llm import LLM
 
     return LLM(overrides=BASE + list(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(*overrides: str, static_sizes: tuple = ()) -> tuple[list, dict]:
+    """(tokens, runner counters and captured graph keys) of one engine over the workload."""
+    llm = _llm(*overrides)
+    if static_sizes:
+        llm.engine.runner.enable_denoise_graphs(list(static_sizes), capture=False)
+    tokens = _generate(llm)
+    runner = llm.engine.runner
+    info = dict(graph=runner.num_graph_forwards, eager=runner.num_eager_forwards,
+                captured=list(runner.graphs.denoisers) if runner.graphs is not None else [])
+    llm.shutdown()
+    return tokens, info
 
 
 def _generate(llm, num_requests: int = 9):
@@ -65,25 +81,15 @@ def test_graph_replay_equals_the_static_path_called_eagerly(dtype):
     """Same buffers, same kernels: a replay gives exactly the un-captured static path's tokens.
     Six seats and graphs of 1, 2, 4 rows: batches of 3 pad to 4, of 5-6 run eagerly; steps that
     commit a canvas replay the commit graph."""
-    graphs = _llm(*GRAPHS, f"engine.dtype={dtype}")
-    got = _generate(graphs)
-    runner = graphs.engine.runner
-    assert runner.num_graph_forwards > 0 and runner.num_eager_forwards > 0
-    captured = runner.graphs.denoisers
+    got, info = _run(*GRAPHS, f"engine.dtype={dtype}")
+    assert info["graph"] > 0 and info["eager"] > 0
+    captured = info["captured"]
     assert len({key[0] for key in captured}) >= 2 and any(key[3] for key in captured)  # row sizes; a commit graph
-    graphs.shutdown()
-    static = _llm(f"engine.dtype={dtype}")
-    static.engine.runner.enable_denoise_graphs([1, 2, 4], capture=False)
-    assert _generate(static) == got
-    static.shutdown()
+    want, _ = _run(f"engine.dtype={dtype}", static_sizes=(1, 2, 4))
+    assert got == want
 
 
 def test_graph_replay_equals_the_eager_engine_at_fp32():
-    graphs = _llm(*GRAPHS, "engine.dtype=float32")
-    got = _generate(graphs)
-    assert graphs.engine.runner.num_graph_forwards > 0
-    graphs.shutdown()
-    eager = _llm("engine.dtype=float32")
-    assert _generate(eager) == got
-    assert eager.engine.runner.num_graph_forwards == 0
-    eager.shutdown()
+    got, _ = _run(*GRAPHS, "engine.dtype=float32")
+    want, info = _run("engine.dtype=float32")
+    assert info["graph"] == 0 and got == want
