@@ -14,23 +14,32 @@ from triton_helpers import run_interpreter_checks
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def reference(raw: torch.Tensor, temperature: torch.Tensor, softcap):
+def reference(raw: torch.Tensor, temperature: torch.Tensor, softcap, noise: torch.Tensor):
     x = raw.float()
     if softcap:
         x = torch.tanh(x / softcap) * softcap
     x = x / temperature[:, None]
     entropy = torch.distributions.Categorical(logits=x, validate_args=False).entropy()
-    return x.argmax(-1), entropy, torch.softmax(x, -1)
+    probs = torch.softmax(x, -1)
+    return x.argmax(-1), entropy, probs, (probs / noise).argmax(-1)
 
 
-def check(raw: torch.Tensor, temperature: torch.Tensor, softcap) -> None:
+def check(raw: torch.Tensor, temperature: torch.Tensor, softcap, sample_mismatches: int = 0) -> None:
     from fluxlab.kernels.canvas_stats import canvas_stats
 
-    argmax, entropy, probs = canvas_stats(raw, temperature, softcap)
-    want_argmax, want_entropy, want_probs = reference(raw, temperature, softcap)
+    noise = torch.empty(raw.shape, dtype=torch.float32, device=raw.device).exponential_(1)
+    argmax, entropy, probs, sample = canvas_stats(raw, temperature, softcap, noise, raw.dtype)
+    want_argmax, want_entropy, want_probs, want_sample = reference(raw, temperature, softcap, noise)
     assert torch.equal(argmax.cpu(), want_argmax.cpu())
+    # a draw differs only where the two largest p / q agree to the kernel's rounding of p
+    # (~1e-5 relative on GPU: exp, tanh from exp): about one row in 10^5
+    assert int((sample != want_sample).sum()) <= sample_mismatches
     torch.testing.assert_close(entropy, want_entropy, rtol=2e-4, atol=2e-5)
-    torch.testing.assert_close(probs, want_probs, rtol=1e-4, atol=1e-7)
+    assert probs.dtype == raw.dtype
+    if raw.dtype == torch.float32:
+        torch.testing.assert_close(probs, want_probs, rtol=1e-4, atol=1e-7)
+    else:  # the model dtype: within its rounding of the fp32 probabilities
+        torch.testing.assert_close(probs.float(), want_probs.to(raw.dtype).float(), rtol=1e-2, atol=1e-6)
 
 
 def _interpreter_checks() -> None:
@@ -59,7 +68,7 @@ def test_canvas_stats_on_the_26b_vocabulary():
     g = torch.Generator(device="cuda").manual_seed(0)
     raw = (torch.randn(512, 262144, generator=g, device="cuda") * 4).to(torch.bfloat16)
     temperature = torch.rand(512, generator=g, device="cuda") * 0.4 + 0.4
-    check(raw, temperature, 30.0)
+    check(raw, temperature, 30.0, sample_mismatches=2)
 
 
 @pytest.mark.gpu
@@ -91,7 +100,7 @@ def test_denoise_step_through_the_kernel_matches_the_torch_ops():
     fused, torch_ops = steps
     assert fused.processed is None and torch_ops.processed is not None
     assert torch.equal(fused.argmax, torch_ops.argmax) and torch.equal(fused.accepted, torch_ops.accepted)
-    torch.testing.assert_close(fused.probs, torch_ops.probs, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(fused.probs.float(), torch_ops.probs, rtol=1e-2, atol=1e-6)  # bf16 vs fp32
     assert (fused.block == torch_ops.block).float().mean() > 0.95  # a multinomial draw may land on a rounding edge
 
 

@@ -157,7 +157,7 @@ class CanvasStepResult:
     final: torch.Tensor  # [R] bool
     accepted: torch.Tensor  # [R] positions accepted this step
     processed: Optional[torch.Tensor]  # [R, L, V] temperature-scaled logits (None from the CUDA kernel)
-    probs: torch.Tensor  # [R, L, V] softmax(processed) in fp32: the next step's self-conditioning input
+    probs: torch.Tensor  # [R, L, V] softmax(processed), fp32 (the CUDA kernel: model dtype): self-conditioning
     argmax: torch.Tensor  # [R, L] argmax canvas (the next step's prev_argmax)
     stable_run: torch.Tensor  # [R] the next step's stable_run
 
@@ -174,16 +174,21 @@ def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStep
     twice: the multinomial and the self-conditioning input, which is what transformers feeds back),
     Categorical's entropy with its temporaries in place; torch.multinomial's own one-sample path is
     argmax(p / q), q ~ Exp(1), drawn by `exponential_` from the same generator, so it runs as that
-    over one noise tensor for all rows. On CUDA the argmax, probabilities and entropy come from
-    two passes over the raw logits (fluxlab/kernels/canvas_stats.py) instead of ~30 fp32 ones."""
+    over one noise tensor for all rows. On CUDA the argmax, probabilities, entropy and the draw come
+    from two passes over the raw logits (fluxlab/kernels/canvas_stats.py) instead of ~30 fp32 ones."""
     from fluxlab.kernels.canvas_stats import canvas_stats, use_kernel
 
     rows, length, vocab = logits.shape
     processed = None
+    exp_noise = torch.empty(rows, length, vocab, dtype=torch.float32, device=logits.device)
+    for r, g in enumerate(generators):  # each row's multinomial noise first (transformers' order)
+        exp_noise[r].exponential_(1, generator=g)
     if raw and use_kernel(logits):
         temperature = inputs.temperature[:, None].expand(rows, length).reshape(-1)
-        argmax, entropy, probs = canvas_stats(logits.view(rows * length, vocab), temperature, softcap)
-        argmax, entropy, probs = argmax.view(rows, length), entropy.view(rows, length), probs.view(rows, length, -1)
+        argmax, entropy, probs, sampled = canvas_stats(logits.view(rows * length, vocab), temperature, softcap,
+                                                       exp_noise.view(rows * length, vocab), logits.dtype)
+        argmax, entropy, sampled = (t.view(rows, length) for t in (argmax, entropy, sampled))
+        probs = probs.view(rows, length, vocab)
     else:
         if raw:  # compute_logits' ops
             logits = logits.float() if inplace else logits.float().clone()
@@ -193,13 +198,10 @@ def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStep
         temperature = inputs.temperature[:, None, None]
         processed = logits.div_(temperature) if inplace else logits / temperature
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        sampled = torch.div(probs, exp_noise, out=exp_noise).argmax(dim=-1)
         argmax = processed.argmax(dim=-1)
         entropy = _entropy(processed)  # [R, L]
-    quotient = torch.empty_like(probs)
-    for r, g in enumerate(generators):
-        quotient[r].exponential_(1, generator=g)
-    sampled = torch.div(probs, quotient, out=quotient).argmax(dim=-1)
-    del quotient
+    del exp_noise
     sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
     selected = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= inputs.entropy_bound[:, None]
     accepted = torch.scatter(torch.zeros_like(selected), dim=-1, index=order, src=selected)
