@@ -81,7 +81,7 @@ def _notes_canvas(dec: DictConfig, model: DictConfig, notes: list[str]) -> None:
 
 def _check_canvas_engine(cfg: DictConfig) -> None:
     """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, CUDA
-    graphs of its denoising step only (canvas_graphs.py), its experts' own kernels, one device."""
+    graphs of its canvas step only (canvas_graphs.py), its experts' own kernels, one device."""
     attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
     name = cfg.model.name
     if attn.backend == "auto":
@@ -89,8 +89,9 @@ def _check_canvas_engine(cfg: DictConfig) -> None:
     _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: model={name} (Diffusion-Gemma) runs its "
                                    "own paged sdpa attention in this build; use attention=sdpa")
     _check(not attn.use_prefill_cuda_graph,
-           f"attention.use_prefill_cuda_graph=true: model={name} (Diffusion-Gemma) graphs only its denoising step "
-           "(attention.use_decode_cuda_graph=true); prompt and commit forwards run eagerly in this build")
+           f"attention.use_prefill_cuda_graph=true: model={name} (Diffusion-Gemma) graphs only its canvas step "
+           "(attention.use_decode_cuda_graph=true: denoising, with or without committing one block); prompt "
+           "prefills run eagerly in this build")
     _check(attn.cuda_graph_decode_mode == "padded",
            f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode}: model={name} (Diffusion-Gemma) pads a "
            "denoising batch to one graph (padded); a batch larger than the largest graph runs eagerly")

@@ -5,9 +5,10 @@ so `LLMEngine.step()`, the paged/dynamic/static policies and preemption run unch
 differs is the KV pages (canvas_pages.py: sliding layers keep a ring of their window's pages, so
 no prefix cache), is the request geometry (canvas_request.py), the model and its runner
 (canvas_runner.py) and the per-request canvas knobs, whose unset values are the checkpoint's
-generation_config.json. attention.use_decode_cuda_graph=true replays CUDA graphs of the denoising
-step (canvas_graphs.py) for batches of pure denoising rows, padded to attention.cuda_graph_capture_bs
-and the LADDER_STEP ladder; prompt and commit forwards run eagerly.
+generation_config.json. attention.use_decode_cuda_graph=true replays CUDA graphs of the canvas
+step (canvas_graphs.py) for batches whose rows denoise their canvas, alone or right after committing
+one block, padded to attention.cuda_graph_capture_bs and the LADDER_STEP ladder; prefills of
+several blocks and commits without a canvas run eagerly.
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ TPF: `filled` is 0 on a denoising step and, on the final one, the tokens that ca
 output (cut at max_new_tokens, EOS included), so tokens_accepted / forwards is transformers'
 tokens_per_forward (accepted tokens per denoiser forward).
 
-A batch whose rows all denoise their canvas alone (no commit, no prefill) runs the static path
-instead when it is enabled (`enable_denoise_graphs`, canvas_graphs.py): the same step in fixed
-buffers, replayed as a CUDA graph; `can_run(batch)` is the seam, every other batch runs eagerly here.
+A batch whose rows all denoise their canvas, alone or right after committing one block, runs the
+static path instead when it is enabled (`enable_denoise_graphs`, canvas_graphs.py): the same step
+in fixed buffers, replayed as a CUDA graph; `can_run(batch)` is the seam, every other batch (a
+prefill of several blocks, a commit without a canvas) runs eagerly here.
 
 Memory: full-attention layers keep a page per canvas (request.page_table); sliding layers a ring
 of `ring_size` pages (request.sliding_pages, canvas_pages.py), block b on ring[b % ring_size].
@@ -71,8 +72,8 @@ class CanvasRunner:
         self.zero_run = torch.zeros((), dtype=torch.long, device=device)
 
     def enable_denoise_graphs(self, row_sizes: list[int], capture: bool) -> None:
-        """Pure denoising batches of at most max(row_sizes) rows run the static path: CUDA graphs
-        (capture=True) or the same padded buffers called as is (capture=False; CPU tests)."""
+        """Canvas batches of at most max(row_sizes) rows (`CanvasGraphs.can_run`) run the static
+        path: CUDA graphs (capture=True) or the same padded buffers called as is (capture=False)."""
         self.graphs = CanvasGraphs(self, row_sizes, capture)
 
     # --- host side ---
