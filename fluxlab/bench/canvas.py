@@ -175,9 +175,15 @@ def served(engine, concurrency: int, steps: int, prompt_tokens: int, max_new_tok
             "tok_per_s": tokens / wall, "tpf": accepted / forwards if forwards else 0.0, "finished": finished}
 
 
-def measure(engine, args, batches: list[int], concurrency: list[int]) -> dict:
-    return {"forwards": [forward_times(engine, b, args.prompt_tokens, args.repeats) for b in batches],
-            "served": [served(engine, c, args.steps, args.prompt_tokens, args.max_new_tokens) for c in concurrency]}
+def measure(engine, args, batches: list[int], concurrency: list[int], into: dict, save) -> None:
+    """Each number into `into` as it comes, saved after each (a run cut short keeps what it had)."""
+    into.update(forwards=[], served=[])
+    for b in batches:
+        into["forwards"].append(forward_times(engine, b, args.prompt_tokens, args.repeats))
+        save()
+    for c in concurrency:
+        into["served"].append(served(engine, c, args.steps, args.prompt_tokens, args.max_new_tokens))
+        save()
 
 
 def main(argv=None) -> None:
@@ -204,21 +210,24 @@ def main(argv=None) -> None:
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "canvas_bench.json")
     results = {}
     graphs = engine.runner.graphs
+    def save():
+        out.write_text(json.dumps(results, indent=2))
+
     for mode in (("off", "on") if args.graphs == "both" else (args.graphs,)):
         engine.runner.graphs = graphs if mode == "on" else None
+        results[mode] = {}
         try:
-            results[mode] = measure(engine, args, batches, concurrency)
+            measure(engine, args, batches, concurrency, results[mode], save)
         except Exception as err:  # noqa: BLE001 - the other mode's numbers still print
             if args.graphs != "both":
                 raise
-            results[mode] = {"error": f"{type(err).__name__}: {err}"}
-        out.write_text(json.dumps(results, indent=2))
+            results[mode]["error"] = f"{type(err).__name__}: {err}"
+            save()
     print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} {'commit+denoise':>15}")
     for mode, r in results.items():
         if "error" in r:
             print(f"{mode:>6} failed: {r['error'][:300]}")
-            continue
-        for f in r["forwards"]:
+        for f in r.get("forwards", []):
             print(f"{mode:>6} {f['batch']:>6} {f['denoise_ms']:>11.2f} {f['denoise_forward_ms']:>11.2f} "
                   f"{f['commit_ms']:>10.2f} {f['commit_denoise_ms']:>15.2f}")
     print(f"\n{'graphs':>6} {'conc':>6} {'steps':>6} {'tok/s':>10} {'TPF':>6}")
