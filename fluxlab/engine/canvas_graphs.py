@@ -5,16 +5,17 @@ right after committing one block (the canvas just accepted, or a prompt's last b
 largest row size, runs on a `StaticDenoiser` (canvas_static.py): the denoise-only graph when no
 row commits, else the commit graph (2L tokens a row; a row committing nothing writes its dummy
 block to the scratch page). Every other batch (a prefill of several blocks, a commit without a
-canvas, more rows) runs eagerly. Rows are
-padded to the smallest size of the ladder that holds them (attention.cuda_graph_capture_bs and
-every multiple of LADDER_STEP up to the largest, as LLaDA2's decode graphs), full-layer keys to a
-power of two pages of the batch's longest prefix (so a short prefix does not pay for
-max_model_len; sliding layers always gather their window).
+canvas, more rows) runs eagerly. Rows are padded to the smallest size of the ladder that holds
+them (attention.cuda_graph_capture_bs and every multiple of LADDER_STEP up to the largest, as
+LLaDA2's decode graphs), full-layer keys to a power of two pages of the batch's longest prefix
+(so a short prefix does not pay for max_model_len; sliding layers always gather their window).
 
-Capture is lazy: a (rows, key pages) graph is captured the first time a batch needs it (a
-serving run meets a few of the rows x buckets pairs, and a 26B-A4B capture costs three forwards),
-all into one memory pool. With `capture=False` the same static path is called as is: the CPU
-tests run it against the eager path and transformers.
+Capture is lazy: a (rows, key pages, commits) graph is captured the first time a batch needs it (a
+serving run meets a few of the rows x buckets pairs, a 26B-A4B capture costs three forwards, and
+capturing the whole ladder up front would take minutes), all into one memory pool; the first step
+of each size pays that once. Outputs are copied out right after each replay, so graphs sharing the
+pool may replay in any order. With `capture=False` the same static path is called as is: the CPU
+tests run it against transformers.
 """
 from __future__ import annotations
 
