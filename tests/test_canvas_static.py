@@ -204,3 +204,22 @@ def test_static_step_never_reads_the_device_back(one_thread):
                "masked_select", "is_nonzero", "equal", "repeat_interleave", "multinomial"}
     assert {"scaled_dot_product_attention", "exponential_", "randint", "sort", "index_put_"} <= ops.names
     assert not ops.names & syncing
+
+
+def test_batches_past_the_largest_size_run_eagerly(hf, monkeypatch):
+    """Ladder [2] with 4 seats: denoising batches of 3-4 rows take the eager path, smaller ones the
+    static path, in one run; tokens stay transformers'."""
+    llm = static_llm([2])
+    runs = count_static_steps(llm, monkeypatch)
+    runner, eager_denoise = llm.engine.runner, []
+    rows = runner._rows
+
+    def recorded(batch):
+        if batch.decodes.all() and (batch.num_blocks == 1).all():
+            eager_denoise.append(len(batch.requests))
+        return rows(batch)
+
+    monkeypatch.setattr(runner, "_rows", recorded)
+    check(llm, hf, cases(llm.engine.model_config.vocab_size)[:6])
+    assert runs and max(n for n, *_ in runs) <= 2
+    assert eager_denoise and min(eager_denoise) > 2
