@@ -9,11 +9,12 @@ B requests whose prompt K/V is in the cache; "denoise" = one forward over B canv
 decoder step (what a denoising step costs), "denoise_forward" = the forward and logits alone,
 "commit" = one encoder forward writing B canvases' K/V (eager: a commit without a canvas to denoise
 is rare in serving), "commit_denoise" = the step that commits a block and denoises the next canvas
-(what the engine runs after a canvas is accepted; with graphs its commit graph). Part 2: requests served through the engine
-with a fixed step count (max_denoising_steps = --steps, confidence_threshold so small that no canvas
-stops early, EOS ignored), all at once at each concurrency: output tokens / wall seconds, TPF.
---graphs on: denoising steps (and the forward alone) replay the denoiser CUDA graphs
-(canvas_graphs.py, captured before timing); commits and prefill stay eager. --graphs both measures
+(what the engine runs after a canvas is accepted; with graphs its commit graph). Part 2: requests
+served through the engine with a fixed step count (max_denoising_steps = --steps,
+confidence_threshold so small that no canvas stops early, EOS ignored), all at once at each
+concurrency: output tokens / wall seconds, TPF. --graphs on: denoising steps, the forward alone and
+commit + denoise steps replay the CUDA graphs (canvas_graphs.py, captured before timing); a commit
+without a canvas and prefills of several blocks stay eager. --graphs both measures
 off then on in one process (one 26B-A4B build); a failure of the graph half is recorded in the
 JSON and the eager half still prints. Prints a table last; JSON to --out or $OUT/canvas_bench.json.
 """
@@ -171,7 +172,8 @@ def served(engine, concurrency: int, steps: int, prompt_tokens: int, max_new_tok
     _sync()
     wall = time.perf_counter() - start
     return {"concurrency": concurrency, "steps": steps, "graphs": engine.runner.graphs is not None,
-            "graph_forwards": engine.runner.num_graph_forwards - graph_forwards, "output_tokens": tokens, "wall_s": wall,
+            "graph_forwards": engine.runner.num_graph_forwards - graph_forwards, "output_tokens": tokens,
+            "wall_s": wall,
             "tok_per_s": tokens / wall, "tpf": accepted / forwards if forwards else 0.0, "finished": finished}
 
 
@@ -223,7 +225,8 @@ def main(argv=None) -> None:
                 raise
             results[mode]["error"] = f"{type(err).__name__}: {err}"
             save()
-    print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} {'commit+denoise':>15}")
+    print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} "
+          f"{'commit+denoise':>15}")
     for mode, r in results.items():
         if "error" in r:
             print(f"{mode:>6} failed: {r['error'][:300]}")
