@@ -8,12 +8,28 @@ def test_canvas_bench_smoke_writes_every_number(tmp_path, one_thread):
     out = tmp_path / "canvas.json"
     main(["--smoke", "--batch-sizes", "1,2", "--concurrency", "2", "--prompt-tokens", "9", "--max-new-tokens", "16",
           "--steps", "4", "--repeats", "1", "--out", str(out)])
-    results = json.loads(out.read_text())
+    results = json.loads(out.read_text())["off"]  # --graphs off (the default)
     assert [r["batch"] for r in results["forwards"]] == [1, 2]
     assert all(r["denoise_ms"] > 0 and r["commit_ms"] > 0 for r in results["forwards"])
     served = results["served"][0]
     # a fixed step count and no early stop: every canvas takes 4 forwards for its 8 tokens
     assert served["output_tokens"] == 2 * 16 and served["tpf"] == 8 / 4
+
+
+def test_canvas_bench_smoke_graphs_both(tmp_path, one_thread):
+    """--graphs both: the eager half, then the static denoising path (called as is on CPU) for
+    the denoising steps and the forward alone; the same served tokens either way."""
+    out = tmp_path / "canvas.json"
+    main(["--smoke", "--batch-sizes", "1,3", "--concurrency", "2", "--prompt-tokens", "9", "--max-new-tokens", "16",
+          "--steps", "4", "--repeats", "1", "--graphs", "both", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert set(results) == {"off", "on"}
+    assert [r["graphs"] for r in results["on"]["forwards"]] == [True, True]
+    assert [r["commit_graphs"] for r in results["on"]["forwards"]] == [True, True]
+    assert all(r["commit_denoise_ms"] > 0 for mode in results.values() for r in mode["forwards"])
+    assert [r["graphs"] for r in results["off"]["forwards"]] == [False, False]
+    assert all(r["denoise_forward_ms"] > 0 for r in results["on"]["forwards"])
+    assert results["on"]["served"][0]["output_tokens"] == results["off"]["served"][0]["output_tokens"] == 2 * 16
 
 
 def test_random_weights_build_the_preset_shapes(monkeypatch):

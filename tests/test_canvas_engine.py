@@ -211,8 +211,8 @@ def test_a_failed_step_is_retried_with_the_same_draws(hf, monkeypatch):
 
     real_step, failed = canvas_runner.canvas_step, []
 
-    def failing_once(logits, current, states, knobs):
-        result = real_step(logits, current, states, knobs)
+    def failing_once(logits, current, states, knobs, **kwargs):
+        result = real_step(logits, current, states, knobs, **kwargs)
         if len(states) > 1 and min(s.forwards for s in states) >= 3 and not failed:  # mid-canvas rows
             failed.append(len(states))
             raise RuntimeError("injected")

@@ -1,16 +1,22 @@
 """Diffusion-Gemma canvas micro-benchmark (GPU): denoiser and commit forwards, then served tok/s.
 
     python -m fluxlab.bench.canvas [--preset diffusion_gemma_26b_a4b] [--batch-sizes 1,16,64]
-        [--concurrency 1,16] [--steps 16] [--prompt-tokens 256] [--max-new-tokens 1024] [--out FILE]
+        [--concurrency 1,16] [--steps 16] [--prompt-tokens 256] [--max-new-tokens 1024]
+        [--graphs off|on|both] [--out FILE]
 
 Random bf16 weights of the preset on the GPU (model.load_format=random). Part 1, per batch size B:
 B requests whose prompt K/V is in the cache; "denoise" = one forward over B canvases + the canvas
 decoder step (what a denoising step costs), "denoise_forward" = the forward and logits alone,
-"commit" = one encoder forward writing B canvases' K/V. Part 2: requests served through the engine
-with a fixed step count (max_denoising_steps = --steps, confidence_threshold so small that no canvas
-stops early, EOS ignored), all at once at each concurrency: output tokens / wall seconds, TPF.
-Eager forwards (no CUDA graphs for this model yet). Prints a table last; JSON to --out or
-$OUT/canvas_bench.json.
+"commit" = one encoder forward writing B canvases' K/V (eager: a commit without a canvas to denoise
+is rare in serving), "commit_denoise" = the step that commits a block and denoises the next canvas
+(what the engine runs after a canvas is accepted; with graphs its commit graph). Part 2: requests
+served through the engine with a fixed step count (max_denoising_steps = --steps,
+confidence_threshold so small that no canvas stops early, EOS ignored), all at once at each
+concurrency: output tokens / wall seconds, TPF. --graphs on: denoising steps, the forward alone and
+commit + denoise steps replay the CUDA graphs (canvas_graphs.py, captured before timing); a commit
+without a canvas and prefills of several blocks stay eager. --graphs both measures
+off then on in one process (one 26B-A4B build); a failure of the graph half is recorded in the
+JSON and the eager half still prints. Prints a table last; JSON to --out or $OUT/canvas_bench.json.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import torch
 from fluxlab.engine.request import SamplingParams
 
 
-def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool):
+def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, graph_rows: list[int]):
     from fluxlab.config.compose import compose
     from fluxlab.config.validate import validate_config
     from fluxlab.engine.canvas_engine import CanvasEngine
@@ -37,12 +43,17 @@ def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool):
                  "engine.device=cuda"]
     cfg = compose("bench", model + ["tracking=none"])
     canvas = cfg.decoding.canvas_length
-    cfg = compose("bench", model + ["tracking=none", f"scheduler.max_num_seqs={max_num_seqs}",
-                                    f"scheduler.num_device_pages={max_num_seqs * pages_per_seq}",
-                                    f"model.max_model_len={(pages_per_seq - 1) * canvas}",
-                                    f"scheduler.max_scheduled_tokens={max_num_seqs * 2 * canvas}"])
+    graphs = ["attention.use_decode_cuda_graph=true",
+              f"attention.cuda_graph_capture_bs=[{','.join(map(str, graph_rows))}]"] if graph_rows and not smoke else []
+    cfg = compose("bench", model + graphs + ["tracking=none", f"scheduler.max_num_seqs={max_num_seqs}",
+                                             f"scheduler.num_device_pages={max_num_seqs * pages_per_seq}",
+                                             f"model.max_model_len={(pages_per_seq - 1) * canvas}",
+                                             f"scheduler.max_scheduled_tokens={max_num_seqs * 2 * canvas}"])
     validate_config(cfg, cuda_available=not smoke)
-    return CanvasEngine(cfg)
+    engine = CanvasEngine(cfg)
+    if smoke and graph_rows:  # no CUDA on the smoke run: the same static path, called as is
+        engine.runner.enable_denoise_graphs(graph_rows, capture=False)
+    return engine
 
 
 def _sync() -> None:
@@ -84,6 +95,17 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
         commit_rows.append(ScheduledRow(request, request.active_block, 1, False))
     decode = ScheduledBatch.of_rows(decode_rows, L)
     commit = ScheduledBatch.of_rows(commit_rows, L)
+    # each row writes the block before its canvas (here the prompt's last) and denoises the canvas:
+    # the engine's step after a canvas is accepted (the commit graph when graphs are on)
+    commit_denoise = ScheduledBatch.of_rows([ScheduledRow(r.request, r.request.active_block - 1, 2, True)
+                                             for r in decode_rows], L)
+    decoding_requests = [row.request for row in decode_rows]
+    static = runner.graphs is not None and runner.graphs.can_run(decode)
+
+    def forward_only_static():
+        states = [runner._state(r) for r in decoding_requests]
+        runner.graphs.denoiser(batch, runner.graphs.key_pages(decoding_requests), with_sampler=False).run(
+            decoding_requests, states)
 
     def forward_only():
         rows, token_ids, positions, canvas_at, decoding, _ = runner._rows(decode)
@@ -101,14 +123,37 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
             request = row.request
             start, end = request.block_range(request.active_block)
             request.tokens[start:end] = 1
-        out = {"batch": batch, "canvas": L, "prompt_tokens": prompt_tokens,
+        out = {"batch": batch, "canvas": L, "prompt_tokens": prompt_tokens, "graphs": static,
                "denoise_ms": _time(lambda: runner.run(decode), repeats),
-               "denoise_forward_ms": _time(forward_only, repeats),
-               "commit_ms": _time(lambda: runner.run(commit), repeats)}
+               "denoise_forward_ms": _time(forward_only_static if static else forward_only, repeats),
+               "commit_ms": _time(lambda: runner.run(commit), repeats),
+               "commit_denoise_ms": _time(lambda: runner.run(commit_denoise), repeats),
+               "commit_graphs": runner.graphs is not None and runner.graphs.can_run(commit_denoise)}
     return out
 
 
+def capture_served_graphs(engine, concurrency: int, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Capture before timing the graphs a served run meets (its rows, every key-page bucket)."""
+    graphs, L = engine.runner.graphs, engine.block_length
+    if graphs is None or concurrency > graphs.sizes[-1]:
+        return
+
+    class Prefix:  # the longest prefix a canvas of this run denoises against
+        active_block, num_pad = -(-(prompt_tokens + max_new_tokens) // L) - 1, 0
+
+    pages, largest = 1, graphs.key_pages([Prefix])
+    with torch.inference_mode():
+        while True:
+            graphs.denoiser(concurrency, pages)
+            graphs.denoiser(concurrency, pages, commits=True)  # the step after a canvas is accepted
+            if pages >= largest:
+                break
+            pages = min(2 * pages, largest)
+
+
 def served(engine, concurrency: int, steps: int, prompt_tokens: int, max_new_tokens: int) -> dict:
+    capture_served_graphs(engine, concurrency, prompt_tokens, max_new_tokens)
+    graph_forwards = engine.runner.num_graph_forwards
     params = SamplingParams(max_new_tokens=max_new_tokens, seed=0, ignore_eos=True, max_denoising_steps=steps,
                             confidence_threshold=1e-9)
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(concurrency)]
@@ -126,8 +171,21 @@ def served(engine, concurrency: int, steps: int, prompt_tokens: int, max_new_tok
                 accepted += out.stats.tokens_accepted
     _sync()
     wall = time.perf_counter() - start
-    return {"concurrency": concurrency, "steps": steps, "output_tokens": tokens, "wall_s": wall,
+    return {"concurrency": concurrency, "steps": steps, "graphs": engine.runner.graphs is not None,
+            "graph_forwards": engine.runner.num_graph_forwards - graph_forwards, "output_tokens": tokens,
+            "wall_s": wall,
             "tok_per_s": tokens / wall, "tpf": accepted / forwards if forwards else 0.0, "finished": finished}
+
+
+def measure(engine, args, batches: list[int], concurrency: list[int], into: dict, save) -> None:
+    """Each number into `into` as it comes, saved after each (a run cut short keeps what it had)."""
+    into.update(forwards=[], served=[])
+    for b in batches:
+        into["forwards"].append(forward_times(engine, b, args.prompt_tokens, args.repeats))
+        save()
+    for c in concurrency:
+        into["served"].append(served(engine, c, args.steps, args.prompt_tokens, args.max_new_tokens))
+        save()
 
 
 def main(argv=None) -> None:
@@ -139,6 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--graphs", choices=("off", "on", "both"), default="off",
+                        help="denoiser CUDA graphs (attention.use_decode_cuda_graph) off, on, or off then on")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on CPU (checks the script)")
     args = parser.parse_args(argv)
@@ -147,17 +207,36 @@ def main(argv=None) -> None:
     seqs = max(batches + concurrency)
     canvas = 8 if args.smoke else 256
     pages_per_seq = -(-(args.prompt_tokens + args.max_new_tokens) // canvas) + 2
-    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke)
-    results = {"forwards": [forward_times(engine, b, args.prompt_tokens, args.repeats) for b in batches]}
-    results["served"] = [served(engine, c, args.steps, args.prompt_tokens, args.max_new_tokens) for c in concurrency]
+    graph_rows = sorted(set(batches + concurrency)) if args.graphs != "off" else []
+    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke, graph_rows)
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "canvas_bench.json")
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\n{'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10}")
-    for r in results["forwards"]:
-        print(f"{r['batch']:>6} {r['denoise_ms']:>11.2f} {r['denoise_forward_ms']:>11.2f} {r['commit_ms']:>10.2f}")
-    print(f"\n{'conc':>6} {'steps':>6} {'tok/s':>10} {'TPF':>6}")
-    for r in results["served"]:
-        print(f"{r['concurrency']:>6} {r['steps']:>6} {r['tok_per_s']:>10.1f} {r['tpf']:>6.2f}")
+    results = {}
+    graphs = engine.runner.graphs
+    def save():
+        out.write_text(json.dumps(results, indent=2))
+
+    for mode in (("off", "on") if args.graphs == "both" else (args.graphs,)):
+        engine.runner.graphs = graphs if mode == "on" else None
+        results[mode] = {}
+        try:
+            measure(engine, args, batches, concurrency, results[mode], save)
+        except Exception as err:  # noqa: BLE001 - the other mode's numbers still print
+            if args.graphs != "both":
+                raise
+            results[mode]["error"] = f"{type(err).__name__}: {err}"
+            save()
+    print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} "
+          f"{'commit+denoise':>15}")
+    for mode, r in results.items():
+        if "error" in r:
+            print(f"{mode:>6} failed: {r['error'][:300]}")
+        for f in r.get("forwards", []):
+            print(f"{mode:>6} {f['batch']:>6} {f['denoise_ms']:>11.2f} {f['denoise_forward_ms']:>11.2f} "
+                  f"{f['commit_ms']:>10.2f} {f['commit_denoise_ms']:>15.2f}")
+    print(f"\n{'graphs':>6} {'conc':>6} {'steps':>6} {'tok/s':>10} {'TPF':>6}")
+    for mode, r in results.items():
+        for f in r.get("served", []):
+            print(f"{mode:>6} {f['concurrency']:>6} {f['steps']:>6} {f['tok_per_s']:>10.1f} {f['tpf']:>6.2f}")
     print(f"\nfull numbers: {out}")
 
 

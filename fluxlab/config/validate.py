@@ -80,16 +80,21 @@ def _notes_canvas(dec: DictConfig, model: DictConfig, notes: list[str]) -> None:
 
 
 def _check_canvas_engine(cfg: DictConfig) -> None:
-    """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, eager
-    forwards, its experts' own kernels, one device."""
+    """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, CUDA
+    graphs of its canvas step only (canvas_graphs.py), its experts' own kernels, one device."""
     attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
     name = cfg.model.name
     if attn.backend == "auto":
         attn.backend = "sdpa"
     _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: model={name} (Diffusion-Gemma) runs its "
                                    "own paged sdpa attention in this build; use attention=sdpa")
-    for key in ("use_cuda_graph", "use_decode_cuda_graph", "use_prefill_cuda_graph"):
-        _check(not attn[key], f"attention.{key}=true: model={name} (Diffusion-Gemma) has no CUDA graphs in this build")
+    _check(not attn.use_prefill_cuda_graph,
+           f"attention.use_prefill_cuda_graph=true: model={name} (Diffusion-Gemma) graphs only its canvas step "
+           "(attention.use_decode_cuda_graph=true: denoising, with or without committing one block); prompt "
+           "prefills run eagerly in this build")
+    _check(attn.cuda_graph_decode_mode == "padded",
+           f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode}: model={name} (Diffusion-Gemma) pads a "
+           "denoising batch to one graph (padded); a batch larger than the largest graph runs eagerly")
     _check(eng.moe_backend == "auto", f"engine.moe_backend={eng.moe_backend}: model={name} (Diffusion-Gemma) picks "
                                       "its experts' kernel itself (grouped GEMM on CUDA bf16); leave it at auto")
     _check(not cfg.scheduler.enable_prefix_cache,
@@ -230,7 +235,7 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
         _check(not graphs or on_cuda,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
-        _check(not graphs or attn.backend in ("flashinfer", "fa4"),
+        _check(not graphs or attn.backend in ("flashinfer", "fa4") or is_diffusion_gemma(model),
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer or fa4 "
                f"(got {attn.backend})")
         # Graph-size keys are read only by the graphs they size: set without those graphs, refuse.

@@ -5,7 +5,10 @@ so `LLMEngine.step()`, the paged/dynamic/static policies and preemption run unch
 differs is the KV pages (canvas_pages.py: sliding layers keep a ring of their window's pages, so
 no prefix cache), is the request geometry (canvas_request.py), the model and its runner
 (canvas_runner.py) and the per-request canvas knobs, whose unset values are the checkpoint's
-generation_config.json.
+generation_config.json. attention.use_decode_cuda_graph=true replays CUDA graphs of the canvas
+step (canvas_graphs.py) for batches whose rows denoise their canvas, alone or right after committing
+one block, padded to attention.cuda_graph_capture_bs and the LADDER_STEP ladder; prefills of
+several blocks and commits without a canvas run eagerly.
 """
 from __future__ import annotations
 
@@ -16,11 +19,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from fluxlab.engine.canvas_attention import CanvasKVCache
+from fluxlab.engine.canvas_graphs import denoise_row_sizes
 from fluxlab.engine.canvas_pages import CanvasBlockManager, sliding_ring_size
 from fluxlab.engine.canvas_request import CanvasRequest
 from fluxlab.engine.canvas_runner import CanvasRunner, kv_shapes
 from fluxlab.engine.decoding.canvas import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
-from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
+from fluxlab.engine.llm_engine import LADDER_STEP, LLMEngine, load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.engine.scheduler import Scheduler
 from fluxlab.engine.stop import StopStrings
@@ -100,7 +104,10 @@ class CanvasEngine(LLMEngine):
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer), decode_writes_kv=False)
         self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
-                                   self.ring_size, self.block_length, self.device, self.dtype)
+                                   self.ring_size, self.block_length, self.device, self.dtype, pages_per_seq)
+        if cfg.attention.use_decode_cuda_graph:  # validation: on CUDA, capture sizes resolved
+            self.runner.enable_denoise_graphs(denoise_row_sizes(list(cfg.attention.cuda_graph_capture_bs),
+                                                                LADDER_STEP), capture=True)
         self._init_requests()
         log.info("engine ready: %s on %s (%s), %d full-layer KV pages of one %d-token canvas, %d sliding-layer "
                  "pages (%d a request), policy=%s", cfg.model.name, self.device, cfg.engine.dtype,
@@ -118,7 +125,7 @@ class CanvasEngine(LLMEngine):
 
         eng, L = self.cfg.engine, self.block_length
         rows = self.cfg.scheduler.max_num_seqs
-        probe = CanvasRunner(self.model, 2 * rows, 2 * rows, self.ring_size, L, self.device, self.dtype)
+        probe = CanvasRunner(self.model, 2 * rows, 2 * rows, self.ring_size, L, self.device, self.dtype, 2)
         knobs = CanvasKnobs(**self.generation_defaults)
         fake = []
         for r in range(rows):
@@ -137,6 +144,9 @@ class CanvasEngine(LLMEngine):
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(self.device)
         budget = total * (eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve) - peak - sliding_bytes
+        if self.cfg.attention.use_decode_cuda_graph:  # the graphs' pool holds a step's activations again
+            weights = sum(t.nbytes for t in list(self.model.parameters()) + list(self.model.buffers()))
+            budget -= peak - weights
         pages = int(budget // self._page_bytes(sliding=False))
         if pages < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache: weights + a canvas step take {peak / 2**30:.1f} "

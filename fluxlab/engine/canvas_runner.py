@@ -11,6 +11,11 @@ TPF: `filled` is 0 on a denoising step and, on the final one, the tokens that ca
 output (cut at max_new_tokens, EOS included), so tokens_accepted / forwards is transformers'
 tokens_per_forward (accepted tokens per denoiser forward).
 
+A batch whose rows all denoise their canvas, alone or right after committing one block, runs the
+static path instead when it is enabled (`enable_denoise_graphs`, canvas_graphs.py): the same step
+in fixed buffers, replayed as a CUDA graph; `can_run(batch)` is the seam, every other batch (a
+prefill of several blocks, a commit without a canvas) runs eagerly here.
+
 Memory: full-attention layers keep a page per canvas (request.page_table); sliding layers a ring
 of `ring_size` pages (request.sliding_pages, canvas_pages.py), block b on ring[b % ring_size].
 """
@@ -25,6 +30,7 @@ import torch
 
 from fluxlab.engine.canvas_attention import (CanvasKVCache, CanvasRow, PagedCanvasAttention,
                                              build_canvas_metadata)
+from fluxlab.engine.canvas_graphs import CanvasGraphs
 from fluxlab.engine.canvas_request import CanvasRequest
 from fluxlab.engine.decoding.canvas import CanvasState, canvas_step
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
@@ -37,8 +43,9 @@ def kv_shapes(text_config) -> list[tuple[int, int]]:
 
 class CanvasRunner:
     def __init__(self, model, num_pages: int, num_sliding_pages: int, ring_size: int, canvas_length: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, pages_per_seq: int):
         self.model = model
+        self.pages_per_seq = pages_per_seq  # page-table capacity of a request (static buffers)
         self.block_length = canvas_length
         self.device = device
         self.dtype = dtype
@@ -46,8 +53,10 @@ class CanvasRunner:
         self.ring_size = ring_size
         # blocks before the one being written that a later sliding query can still see
         self.window_blocks = math.ceil((model.sliding_window - 1) / canvas_length)
-        self.cache = CanvasKVCache(kv_shapes(model.config), model.layer_is_sliding, num_pages, num_sliding_pages,
-                                   canvas_length, dtype, device)
+        # one scratch page past each pool: the commit graph's padding rows write their K/V there
+        self.cache = CanvasKVCache(kv_shapes(model.config), model.layer_is_sliding, num_pages + 1,
+                                   num_sliding_pages + 1, canvas_length, dtype, device)
+        self.scratch_pages = {False: num_pages, True: num_sliding_pages}
         self._sliding_backup = None  # (slots, copies) a failed step puts back
         self.attention = PagedCanvasAttention(self.cache, model.layer_is_sliding)
         self.num_graph_forwards = 0
@@ -56,6 +65,16 @@ class CanvasRunner:
         self.on_step = None  # no tensor parallelism for this model
         self.special: dict[str, int] = {}
         self.step_elements = 2**28  # logits elements per decode chunk (1 GiB of fp32)
+        self.graphs: Optional[CanvasGraphs] = None  # the static denoising path, when enabled
+        hidden = model.embed_tokens.embedding_dim
+        self.zero_soft = torch.zeros(canvas_length, hidden, dtype=dtype, device=device)  # a canvas' first step
+        self.no_argmax = torch.full((canvas_length,), -1, dtype=torch.long, device=device)
+        self.zero_run = torch.zeros((), dtype=torch.long, device=device)
+
+    def enable_denoise_graphs(self, row_sizes: list[int], capture: bool) -> None:
+        """Canvas batches of at most max(row_sizes) rows (`CanvasGraphs.can_run`) run the static
+        path: CUDA graphs (capture=True) or the same padded buffers called as is (capture=False)."""
+        self.graphs = CanvasGraphs(self, row_sizes, capture)
 
     # --- host side ---
     def _rows(self, batch: ScheduledBatch):
@@ -127,6 +146,8 @@ class CanvasRunner:
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self._run_static(batch)
         L = self.block_length
         rows, token_ids, positions, canvas_at, decoding, at_risk = self._rows(batch)
         if at_risk.size:
@@ -158,16 +179,34 @@ class CanvasRunner:
         chunk = max(1, self.step_elements // (L * self.vocab_size))
         for lo in range(0, len(decoding), chunk):
             hi = min(lo + chunk, len(decoding))
-            logits = self.model.compute_logits(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
+            logits = self.model.head(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
             step = canvas_step(logits, torch.stack([s.canvas for s in states[lo:hi]]), states[lo:hi],
-                               [r.knobs for r in decoding[lo:hi]])
-            soft_next = self.model.soft_embed(step.processed.to(self.model.embed_tokens.weight.dtype))
+                               [r.knobs for r in decoding[lo:hi]], inplace=True, raw=True,
+                               softcap=self.model.final_logit_softcapping)
+            soft_next = self.model.soft_embed_probs(step.probs)
             for i, s in enumerate(states[lo:hi]):
                 s.canvas = step.block[i]
                 s.soft_embeds = soft_next[i]
             blocks.append(step.block)
             finals.append(step.final)
-        host = torch.cat([torch.cat(blocks), torch.cat(finals)[:, None].long()], dim=1).cpu().numpy()  # one copy
+        return self._finish(decoding, states, torch.cat(blocks), torch.cat(finals))
+
+    def _run_static(self, batch: ScheduledBatch) -> StepOutput:
+        decoding = list(batch.requests)
+        commits = (batch.num_blocks == 2).tolist()
+        states = [self._state(r) for r in decoding]
+        self.launched_at = time.perf_counter()
+        if self.graphs.capture:
+            self.num_graph_forwards += 1
+        else:
+            self.num_eager_forwards += 1
+        block, final = self.graphs.run(decoding, states, commits)
+        return self._finish(decoding, states, block, final)
+
+    def _finish(self, decoding: list[CanvasRequest], states: list[CanvasState], block: torch.Tensor,
+                final: torch.Tensor) -> StepOutput:
+        L = self.block_length
+        host = torch.cat([block, final[:, None].long()], dim=1).cpu().numpy()  # one copy
         self.results_at = time.perf_counter()
         blocks, final = host[:, :L], host[:, L].astype(bool)
         filled = np.zeros(len(decoding), dtype=np.int64)
@@ -194,4 +233,6 @@ class CanvasRunner:
         """Nothing to rewrite: canvas state lives on each request."""
 
     def release_graphs(self) -> None:
-        pass
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None

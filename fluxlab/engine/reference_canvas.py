@@ -45,7 +45,7 @@ def generate_canvases(model, prompt_ids: list[int], max_new_tokens: int, knobs: 
             canvas = step.block[0]
             if bool(step.final[0]):
                 break
-            state.soft_embeds = model.soft_embed(step.processed[0].to(model.embed_tokens.weight.dtype))
+            state.soft_embeds = model.soft_embed_probs(step.probs[0])
         committed = canvas.tolist()
         if any(t in eos_ids for t in committed):
             first = min(committed.index(e) for e in eos_ids if e in committed)

@@ -95,8 +95,7 @@ class CanvasState:
 
     def draw_canvas(self, vocab_size: int, canvas_length: int) -> torch.Tensor:
         """A uniform random canvas [L] (transformers' initialize_canvas at batch 1)."""
-        device = self.generator.device
-        return torch.randint(0, vocab_size, (1, canvas_length), generator=self.generator, device=device)[0]
+        return draw_canvas(self.generator, vocab_size, canvas_length)
 
     _FIELDS = ("forwards", "needs_canvas", "canvas", "prev_argmax", "stable_run", "soft_embeds")
 
@@ -116,50 +115,131 @@ class CanvasState:
 
 
 @dataclass
+class CanvasStepInputs:
+    """A step's per-row knobs and stopping history as tensors ([R] unless noted). The eager path
+    builds them from the states (`of`); the static path (canvas_graphs.py) keeps them in fixed
+    buffers that a captured graph reads."""
+
+    temperature: torch.Tensor  # float32: the schedule's temperature for this forward
+    entropy_bound: torch.Tensor  # float32
+    confidence_threshold: torch.Tensor  # float32
+    stability_threshold: torch.Tensor  # long
+    last: torch.Tensor  # bool: this forward is the canvas' max_denoising_steps-th
+    prev_argmax: torch.Tensor  # [R, L] long: the previous step's argmax canvas, -1 before the first
+    stable_run: torch.Tensor  # long: consecutive previous steps with that argmax (0 before the first)
+
+    @staticmethod
+    def host_values(states: list[CanvasState], knobs: list[CanvasKnobs]) -> tuple[list, list]:
+        """(float rows [temperature, entropy_bound, confidence_threshold], int rows
+        [stability_threshold, last]) of these rows, as host lists."""
+        floats = [[k.temperature(s.forwards) for k, s in zip(knobs, states)], [k.entropy_bound for k in knobs],
+                  [k.confidence_threshold for k in knobs]]
+        ints = [[k.stability_threshold for k in knobs],
+                [int(s.forwards + 1 >= k.max_denoising_steps) for s, k in zip(states, knobs)]]
+        return floats, ints
+
+    @classmethod
+    def of(cls, states: list[CanvasState], knobs: list[CanvasKnobs], length: int,
+           device: torch.device) -> "CanvasStepInputs":
+        floats, ints = cls.host_values(states, knobs)
+        f = torch.tensor(floats, dtype=torch.float32, device=device)
+        i = torch.tensor(ints, dtype=torch.long, device=device)
+        prev = torch.stack([s.prev_argmax if s.prev_argmax is not None
+                            else torch.full((length,), -1, dtype=torch.long, device=device) for s in states])
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        run = torch.stack([s.stable_run if s.stable_run is not None else zero for s in states])
+        return cls(f[0], f[1], f[2], i[0], i[1].bool(), prev, run)
+
+
+@dataclass
 class CanvasStepResult:
     block: torch.Tensor  # [R, L] the next forward's canvas, or the committed argmax canvas where final
     final: torch.Tensor  # [R] bool
     accepted: torch.Tensor  # [R] positions accepted this step
-    processed: torch.Tensor  # [R, L, V] temperature-scaled logits (the next step's self-conditioning)
+    processed: Optional[torch.Tensor]  # [R, L, V] temperature-scaled logits (None from the CUDA kernel)
+    probs: torch.Tensor  # [R, L, V] softmax(processed), fp32 (the CUDA kernel: model dtype): self-conditioning
+    argmax: torch.Tensor  # [R, L] argmax canvas (the next step's prev_argmax)
+    stable_run: torch.Tensor  # [R] the next step's stable_run
+
+
+def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStepInputs,
+                 generators: list[torch.Generator], inplace: bool = False, raw: bool = False,
+                 softcap: Optional[float] = None) -> CanvasStepResult:
+    """One denoising step for R rows, tensors only (no host sync, so a CUDA graph can hold it):
+    logits [R, L, V] (fp32 soft-capped; or, raw=True, the head's output, soft-capped here by `softcap`),
+    the canvases the forward read [R, L], row r drawing from generators[r] (its multinomial over
+    the canvas, then its renoise canvas). inplace: `logits` may be overwritten (the engine's).
+
+    On CPU every value is the one transformers' ops give: soft-cap, temperature, softmax (used
+    twice: the multinomial and the self-conditioning input, which is what transformers feeds back),
+    Categorical's entropy with its temporaries in place; torch.multinomial's own one-sample path is
+    argmax(p / q), q ~ Exp(1), drawn by `exponential_` from the same generator, so it runs as that
+    over one noise tensor for all rows. On CUDA the argmax, probabilities, entropy and the draw come
+    from two passes over the raw logits (fluxlab/kernels/canvas_stats.py) instead of ~30 fp32 ones."""
+    from fluxlab.kernels.canvas_stats import canvas_stats, use_kernel
+
+    rows, length, vocab = logits.shape
+    processed = None
+    exp_noise = torch.empty(rows, length, vocab, dtype=torch.float32, device=logits.device)
+    for r, g in enumerate(generators):  # each row's multinomial noise first (transformers' order)
+        exp_noise[r].exponential_(1, generator=g)
+    if raw and use_kernel(logits):
+        temperature = inputs.temperature[:, None].expand(rows, length).reshape(-1)
+        argmax, entropy, probs, sampled = canvas_stats(logits.view(rows * length, vocab), temperature, softcap,
+                                                       exp_noise.view(rows * length, vocab), logits.dtype)
+        argmax, entropy, sampled = (t.view(rows, length) for t in (argmax, entropy, sampled))
+        probs = probs.view(rows, length, vocab)
+    else:
+        if raw:  # compute_logits' ops
+            logits = logits.float() if inplace else logits.float().clone()
+            if softcap:
+                logits.div_(softcap).tanh_().mul_(softcap)
+            inplace = True
+        temperature = inputs.temperature[:, None, None]
+        processed = logits.div_(temperature) if inplace else logits / temperature
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        sampled = torch.div(probs, exp_noise, out=exp_noise).argmax(dim=-1)
+        argmax = processed.argmax(dim=-1)
+        entropy = _entropy(processed)  # [R, L]
+    del exp_noise
+    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+    selected = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= inputs.entropy_bound[:, None]
+    accepted = torch.scatter(torch.zeros_like(selected), dim=-1, index=order, src=selected)
+    kept = torch.where(accepted, sampled, current)
+    noise = torch.stack([draw_canvas(g, vocab, length) for g in generators])
+    renoised = torch.where(accepted, kept, noise)
+    # Stable: this argmax equals each of the last S (the history starts as -1, so S steps are needed).
+    same = (argmax == inputs.prev_argmax).all(dim=-1)
+    run = inputs.stable_run
+    stable = (inputs.stability_threshold == 0) | (same & (run >= inputs.stability_threshold))
+    new_run = torch.where(same, run + 1, torch.ones_like(run))
+    confident = entropy.mean(dim=-1) < inputs.confidence_threshold
+    final = (stable & confident) | inputs.last
+    block = torch.where(final[:, None], argmax, renoised)
+    return CanvasStepResult(block, final, accepted.sum(dim=-1), processed, probs, argmax, new_run)
+
+
+def _entropy(processed: torch.Tensor) -> torch.Tensor:
+    """Categorical(logits=processed).entropy() (what transformers calls), op for op, with its
+    temporaries reused in place: -sum(clamp(x - lse) * softmax(x - lse))."""
+    normalized = processed - processed.logsumexp(dim=-1, keepdim=True)
+    p = torch.softmax(normalized, dim=-1)
+    return -normalized.clamp_(min=torch.finfo(normalized.dtype).min).mul_(p).sum(-1)
+
+
+def draw_canvas(generator: torch.Generator, vocab_size: int, canvas_length: int) -> torch.Tensor:
+    """A uniform random canvas [L] (transformers' initialize_canvas / renoise draw at batch 1)."""
+    return torch.randint(0, vocab_size, (1, canvas_length), generator=generator, device=generator.device)[0]
 
 
 def canvas_step(logits: torch.Tensor, current: torch.Tensor, states: list[CanvasState],
-                knobs: list[CanvasKnobs]) -> CanvasStepResult:
-    """One denoising step for R rows: raw logits [R, L, V] (fp32, soft-capped), the canvases the
-    forward read [R, L]. Updates each state's stopping history; the caller stores self-conditioning."""
-    rows, length, vocab = logits.shape
-    device = logits.device
-    temps = torch.tensor([k.temperature(s.forwards) for k, s in zip(knobs, states)], dtype=torch.float32,
-                         device=device)
-    processed = logits / temps[:, None, None]
-    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-    # Per-request draws, in transformers' order: the whole canvas' multinomial, then the renoise canvas.
-    sampled = torch.stack([torch.multinomial(probs[r], 1, generator=s.generator).squeeze(-1)
-                           for r, s in enumerate(states)])
-    argmax = processed.argmax(dim=-1)
-    entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()  # [R, L]
-    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
-    bound = torch.tensor([k.entropy_bound for k in knobs], dtype=torch.float32, device=device)
-    selected = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bound[:, None]
-    accepted = torch.scatter(torch.zeros_like(selected), dim=-1, index=order, src=selected)
-    kept = torch.where(accepted, sampled, current)
-    noise = torch.stack([s.draw_canvas(vocab, length) for s in states])
-    renoised = torch.where(accepted, kept, noise)
-    # Stable: this argmax equals each of the last S (the history starts as -1, so S steps are needed).
-    threshold = torch.tensor([k.stability_threshold for k in knobs], dtype=torch.long, device=device)
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    prev = torch.stack([s.prev_argmax if s.prev_argmax is not None else torch.full_like(argmax[0], -1)
-                        for s in states])
-    run = torch.stack([s.stable_run if s.stable_run is not None else zero for s in states])
-    same = (argmax == prev).all(dim=-1)
-    stable = (threshold == 0) | (same & (run >= threshold))
-    new_run = torch.where(same, run + 1, torch.ones_like(run))
-    confidence = torch.tensor([k.confidence_threshold for k in knobs], dtype=torch.float32, device=device)
-    confident = entropy.mean(dim=-1) < confidence
-    last = torch.tensor([s.forwards + 1 >= k.max_denoising_steps for s, k in zip(states, knobs)], device=device)
-    final = (stable & confident) | last
+                knobs: list[CanvasKnobs], inplace: bool = False, raw: bool = False,
+                softcap: Optional[float] = None) -> CanvasStepResult:
+    """`denoise_step` for these requests' states; advances each state's stopping history and step
+    count (the caller stores the canvas and the self-conditioning input)."""
+    inputs = CanvasStepInputs.of(states, knobs, logits.shape[1], logits.device)
+    step = denoise_step(logits, current, inputs, [s.generator for s in states], inplace, raw, softcap)
     for r, s in enumerate(states):
-        s.prev_argmax, s.stable_run = argmax[r], new_run[r]
+        s.prev_argmax, s.stable_run = step.argmax[r], step.stable_run[r]
         s.forwards += 1
-    block = torch.where(final[:, None], argmax, renoised)
-    return CanvasStepResult(block, final, accepted.sum(dim=-1), processed)
+    return step

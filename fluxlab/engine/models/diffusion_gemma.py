@@ -7,6 +7,8 @@ decoder tie every text weight:
   prefix + canvas, no K/V writes; the previous step's logits come back in as soft embeddings
   through the self-conditioning MLP (zeros on the first step).
 - `forward(ids, positions, attn, is_canvas, soft_embeds)`: both in one flattened batch (the engine's).
+- `forward_canvas(ids, positions, attn, soft_embeds)`: canvas tokens only, static shapes, no host
+  sync (the denoiser CUDA graphs, canvas_static.py).
 Both return hidden states; `compute_logits` applies the tied head and the final soft-cap.
 The model sees flattened tokens, absolute positions and an attention backend with
 `attn.forward(layer_idx, q, k, v)` (diffusion_gemma_attention.py); never requests or masks.
@@ -87,9 +89,12 @@ class DiffusionGemmaModel(nn.Module):
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """Expected embedding under softmax(logits), scaled like token embeddings."""
+        return self.soft_embed_probs(logits.softmax(dim=-1, dtype=torch.float32))
+
+    def soft_embed_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """`soft_embed` from the fp32 softmax itself (the canvas step has it already)."""
         w = self.embed_tokens.weight
-        probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
-        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
@@ -99,11 +104,12 @@ class DiffusionGemmaModel(nn.Module):
             out[layer_type] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
 
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool,
+                static: bool = False) -> torch.Tensor:
         rope = self._rope(positions, h.dtype)
         for layer, layer_type in zip(self.layers, self.layer_types):
             cos, sin = rope[layer_type]
-            h = layer(h, cos, sin, attn, encoder)
+            h = layer(h, cos, sin, attn, encoder, static)
         return self.norm(h)
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -131,11 +137,30 @@ class DiffusionGemmaModel(nn.Module):
             h = h.index_copy(0, canvas, self.self_conditioning(embeds, soft))
         return self._layers(h, positions, attn, encoder=~is_canvas)
 
+    def forward_canvas(self, ids: torch.Tensor, positions: torch.Tensor, attn, soft_embeds: torch.Tensor,
+                       is_canvas: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` with static shapes and no host sync, so a CUDA graph can hold it
+        (canvas_static.py): canvas tokens only (is_canvas None), or a mix where `soft_embeds`
+        covers every token (its rows at encoder tokens are not read). The self-conditioning MLP
+        runs on every token and only canvas tokens keep it; every op is per token, so the values
+        are `forward`'s."""
+        h = self.embed(ids)
+        conditioned = self.self_conditioning(h, soft_embeds)
+        if is_canvas is None:
+            return self._layers(conditioned, positions, attn, encoder=False, static=True)
+        h = torch.where(is_canvas[:, None], conditioned, h)
+        return self._layers(h, positions, attn, encoder=~is_canvas, static=True)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied head's raw logits in the model dtype (the canvas step soft-caps them itself)."""
+        return F.linear(hidden, self.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied head, then fp32 soft-capping cap * tanh(logits / cap)."""
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        """Tied head, then fp32 soft-capping cap * tanh(logits / cap), in place on the fp32 copy
+        ([tokens, vocab]: 1 GiB a 256-token canvas at 262144 ids, so no extra copies)."""
+        logits = self.head(hidden).float()
         cap = self.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 
 
 def rope_inv_freqs(text_config) -> dict[str, torch.Tensor]:

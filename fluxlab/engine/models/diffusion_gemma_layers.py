@@ -102,9 +102,13 @@ class GemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                static: bool = False) -> torch.Tensor:
+        """static: no host sync and no data-dependent shape (a CUDA graph holds the forward)."""
         if _grouped_mm_ok(x):
             return self._grouped(x, weights, index)
+        if static:
+            return self._every_expert(x, weights, index)
         out = torch.zeros_like(x)
         for expert in index.unique().tolist():
             token, slot = torch.where(index == expert)
@@ -119,12 +123,28 @@ class GemmaExperts(nn.Module):
         num_tokens, top_k = index.shape
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
-        offs = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        # expert e's pairs end where the sorted ids pass e (bincount would read its size back to the host)
+        experts = torch.arange(self.gate_up_proj.shape[0], device=flat.device)
+        offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
         gate, up = torch._grouped_mm(x[order // top_k], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, -1)
         ys = torch._grouped_mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(1, 2), offs=offs)
         out = torch.empty_like(ys)
         out[order] = ys
         return (out.view(num_tokens, top_k, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
+
+
+    def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The loop's sums with static shapes: every expert runs on every token and adds its output
+        times the token's weight for it, 0 where not routed (adding y * 0 changes no sum), in the
+        loop's order (ascending expert id). Costs num_experts / top_k times the loop's FLOPs: for the
+        fp32 and CPU static path, not for speed."""
+        out = torch.zeros_like(x)
+        for expert in range(self.gate_up_proj.shape[0]):
+            weight = (weights * (index == expert)).sum(dim=-1)  # one nonzero term at most
+            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            out += (y * weight[:, None]).to(out.dtype)
+        return out
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
@@ -153,13 +173,14 @@ class GemmaDecoderLayer(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
-                encoder: bool | torch.Tensor) -> torch.Tensor:
+                encoder: bool | torch.Tensor, static: bool = False) -> torch.Tensor:
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
-        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
+        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index,
+                                                                 static))
         x = x + self.post_feedforward_layernorm(dense + routed)
         if isinstance(encoder, torch.Tensor):  # a mixed forward: per token, True = encoder pass
             return x * torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
