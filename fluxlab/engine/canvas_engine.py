@@ -7,7 +7,7 @@ no prefix cache), is the request geometry (canvas_request.py), the model and its
 (canvas_runner.py) and the per-request canvas knobs, whose unset values are the checkpoint's
 generation_config.json. attention.use_decode_cuda_graph=true replays CUDA graphs of the canvas
 step (canvas_graphs.py) for batches whose rows denoise their canvas, alone or right after committing
-one block, padded to attention.cuda_graph_capture_bs and the LADDER_STEP ladder; prefills of
+one block, padded to attention.cuda_graph_capture_bs and the ROW_LADDER_STEP ladder; prefills of
 several blocks and commits without a canvas run eagerly.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fluxlab.engine.canvas_pages import CanvasBlockManager, sliding_ring_size
 from fluxlab.engine.canvas_request import CanvasRequest
 from fluxlab.engine.canvas_runner import CanvasRunner, kv_shapes
 from fluxlab.engine.decoding.canvas import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
-from fluxlab.engine.llm_engine import LADDER_STEP, LLMEngine, load_tokenizer
+from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.engine.scheduler import Scheduler
 from fluxlab.engine.stop import StopStrings
@@ -106,8 +106,8 @@ class CanvasEngine(LLMEngine):
         self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
                                    self.ring_size, self.block_length, self.device, self.dtype, pages_per_seq)
         if cfg.attention.use_decode_cuda_graph:  # validation: on CUDA, capture sizes resolved
-            self.runner.enable_denoise_graphs(denoise_row_sizes(list(cfg.attention.cuda_graph_capture_bs),
-                                                                LADDER_STEP), capture=True)
+            self.runner.enable_denoise_graphs(denoise_row_sizes(list(cfg.attention.cuda_graph_capture_bs)),
+                                              capture=True)
         self._init_requests()
         log.info("engine ready: %s on %s (%s), %d full-layer KV pages of one %d-token canvas, %d sliding-layer "
                  "pages (%d a request), policy=%s", cfg.model.name, self.device, cfg.engine.dtype,

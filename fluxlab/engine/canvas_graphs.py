@@ -6,8 +6,7 @@ largest row size, runs on a `StaticDenoiser` (canvas_static.py): the denoise-onl
 row commits, else the commit graph (2L tokens a row; a row committing nothing writes its dummy
 block to the scratch page). Every other batch (a prefill of several blocks, a commit without a
 canvas, more rows) runs eagerly. Rows are padded to the smallest size of the ladder that holds
-them (attention.cuda_graph_capture_bs and every multiple of LADDER_STEP up to the largest, as
-LLaDA2's decode graphs), full-layer keys to a power of two pages of the batch's longest prefix
+them (attention.cuda_graph_capture_bs and every multiple of ROW_LADDER_STEP up to the largest), full-layer keys to a power of two pages of the batch's longest prefix
 (so a short prefix does not pay for max_model_len; sliding layers always gather their window).
 
 Capture is lazy: a (rows, key pages, commits) graph is captured the first time a batch needs it (a
@@ -30,7 +29,12 @@ from fluxlab.engine.scheduler import ScheduledBatch
 log = logging.getLogger("fluxlab.engine")
 
 
-def denoise_row_sizes(capture_bs: list[int], ladder_step: int) -> list[int]:
+# Denoiser graphs are captured when first needed (seconds each at 26B-A4B), so their ladder is
+# sparser than LLMEngine's (llm_engine.ladder_sizes, captured up front in ~0.1 s a graph).
+ROW_LADDER_STEP = 4
+
+
+def denoise_row_sizes(capture_bs: list[int], ladder_step: int = ROW_LADDER_STEP) -> list[int]:
     """Row counts to pad to: each capture size and every multiple of ladder_step up to the largest."""
     largest = max(capture_bs)
     return sorted(set(capture_bs) | set(range(ladder_step, largest + 1, ladder_step)))
