@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -58,7 +59,9 @@ class EngineProcess:
             raise
         if ready[0] == "failed":
             self._process.join(_STOP_GRACE_S)
-            raise EngineStartError(ready[1])
+            _, user_error, message = ready
+            # a bad path or a model that does not fit: the CLI prints the message (exit 2), as in process
+            raise (ValueError if user_error else EngineStartError)(message)
         _, self.max_model_len, self.tokenizer, self.snapshot = ready
         self.error: Optional[str] = None
         self.on_fatal: Optional[Callable[[str], None]] = None
@@ -250,8 +253,10 @@ def run_engine_process(cfg: Any, conn: Any, max_waiting_requests: int, log_level
     try:
         engine = make_engine(cfg)
     except BaseException as err:  # noqa: BLE001 - the server reports it and exits non-zero
-        traceback.print_exc()
-        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        user_error = isinstance(err, (ValueError, FileNotFoundError)) and not os.environ.get("FLUXLAB_DEBUG")
+        if not user_error:
+            traceback.print_exc()
+        conn.send(("failed", user_error, str(err) if user_error else f"{type(err).__name__}: {err}"))
         conn.close()
         return
     loop = _ChildLoop(engine, max_waiting_requests, conn)
