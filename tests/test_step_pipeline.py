@@ -379,9 +379,11 @@ def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm,
 
 def test_flashinfer_segments_plan_each_query_block_over_its_prefix_pages():
     """A row of n query blocks from block f is n segments; segment f+i attends pages 0..f+i."""
-    from fluxlab.engine.layers.attention_flashinfer import segments
+    from fluxlab.engine.layers.attention_flashinfer import plan_indices
+    from fluxlab.engine.layers.segments import Segments
 
-    qo, kv_indptr, kv_indices = segments([(2, 1, [7, 8, 9]), (0, 2, [4, 5]), (1, 2, [1, 2, 3])], 16)
+    rows = [(2, 1, [7, 8, 9]), (0, 2, [4, 5]), (1, 2, [1, 2, 3])]
+    qo, kv_indptr, kv_indices = plan_indices(Segments.of_rows(rows), 16)
     assert qo.tolist() == [0, 16, 32, 48, 64, 80]
     assert kv_indptr.tolist() == [0, 3, 4, 6, 8, 11]
     assert kv_indices.tolist() == [7, 8, 9, 4, 4, 5, 1, 2, 1, 2, 3]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,7 +20,8 @@ from fluxlab.engine.decoding.base import DecodeBatch
 from fluxlab.engine.decoding.sampling import filtered_probs
 from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.moe import check_routing_blocks
-from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
+from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata, slot_mapping
+from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.step_state import StepState
@@ -30,23 +31,30 @@ log = logging.getLogger("fluxlab.engine")
 
 @dataclass
 class StepInputs:
-    """One forward's inputs as host arrays: flattened tokens and positions, per row (first_block,
-    num_blocks, decodes, page_table), and the flat token indices whose logits are needed, the first
-    num_greedy of them greedy positions (argmax + probability only; under TP no full logits cross
-    ranks for them). `seats`: each row's (request.slot, request.serial), so TP workers keep a
-    seat's page table and tokens and are sent only what changed (None: rows of no seat)."""
+    """One forward's inputs as host arrays: flattened tokens and positions, the query segments the
+    attention backend plans (layers/segments.py), and the flat token indices whose logits are
+    needed, the first num_greedy of them greedy positions (argmax + probability only; under TP no
+    full logits cross ranks for them). `rows`: (first_block, num_blocks, decodes, page_table) per
+    row, what the TP step channel sends (built only under TP; without `segments` they are planned
+    from it). `seats`: each row's (request.slot, request.serial), so TP workers keep a seat's page
+    table and tokens and are sent only what changed (None: rows of no seat)."""
 
     token_ids: np.ndarray
     positions: np.ndarray
-    rows: list[tuple[int, int, bool, list[int]]]
+    rows: Optional[list[tuple[int, int, bool, Sequence[int]]]]
     logit_index: np.ndarray
     num_greedy: int = 0
     seats: Optional[list[tuple[int, int]]] = None  # (seat, request serial) per row: TP workers' state keys
-    pages: Optional[np.ndarray] = None  # [num_segments] the page of each query block (None: from rows)
+    segments: Optional[Segments] = None  # None: from rows
+
+    def plan_segments(self) -> Segments:
+        if self.segments is None:
+            self.segments = Segments.of_rows([(first, n, table) for first, n, _, table in self.rows])
+        return self.segments
 
     @property
     def num_segments(self) -> int:
-        return sum(n for _, n, _, _ in self.rows)
+        return self.plan_segments().num_segments
 
 
 @dataclass
@@ -159,13 +167,16 @@ class ModelRunner:
             # Per query block: its row's seat and its block in that row's canvas.
             block_seat = np.repeat(slots, num)
             query_block = np.repeat(first - block_ends + num, num) + self._range(int(block_ends[-1]))
-        pages = seats.pages[block_seat, query_block]
+        # Each query block's request's page table, from the seats' mirror (not the requests' lists)
+        segments = Segments(seats.pages[block_seat], query_block + 1, num)
         positions = query_block[:, None] * bl + self._block_offsets
         token_ids = seats.tokens[block_seat[:, None], positions].ravel()
         positions = positions.ravel()
-        rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(), [r.page_table for r in batch.requests]))
-        # (seat, serial) per row keys the TP workers' state (step_channel.py); one GPU never reads it
-        row_seats = None if self.on_step is None else list(zip(slots.tolist(), [r.serial for r in batch.requests]))
+        rows = row_seats = None
+        if self.on_step is not None:  # TP: the step channel sends rows, keyed by (seat, serial)
+            rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(),
+                            [r.page_table for r in batch.requests]))
+            row_seats = list(zip(slots.tolist(), [r.serial for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
@@ -177,8 +188,8 @@ class ModelRunner:
         else:
             decoding_rows = batch.decodes.nonzero()[0]
             if not decoding_rows.shape[0]:
-                return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages,
-                                  seats=row_seats), None
+                return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), seats=row_seats,
+                                  segments=segments), None
             num_rows = decoding_rows.shape[0]
             seat = slots[decoding_rows]
             block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
@@ -200,8 +211,8 @@ class ModelRunner:
         requests = batch.requests if batch.single_blocks else [batch.requests[i] for i in decoding_rows.tolist()]
         decode_inputs = DecodeInputs(requests, seat, block_index,
                                      greedy_target, full_rows, seats.log_len[seat], decoders)
-        return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages,
-                           seats=row_seats), decode_inputs)
+        return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), seats=row_seats,
+                           segments=segments), decode_inputs)
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""
@@ -241,24 +252,20 @@ class ModelRunner:
         logits of the other logit rows [P - num_greedy, V] or None, input ids on the device, `extra`
         uploaded)."""
         bl = self.block_length
-        rows = [(first, n, table) for first, n, _, table in inputs.rows]
-        pages = inputs.pages
-        if pages is None:
-            pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
-        slots = (pages[:, None] * bl + self._block_offsets).ravel()
-        ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
-            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
-        segments = [n for _, n, _ in rows]
+        segments = inputs.plan_segments()
+        ids, pos, slots, logit_index, *extra_dev = self._upload(
+            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slot_mapping(segments, bl),
+             inputs.logit_index, *extra])
         self.launched_at = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(segments):
             self.num_graph_forwards += 1
-            hidden = self.graphs.run(ids, pos, slot_mapping, rows)
+            hidden = self.graphs.run(ids, pos, slots, segments)
         else:
             self.num_eager_forwards += 1
             if self.backend == "sdpa":
-                meta = build_metadata(rows, bl, self.device, dense=True)
+                meta = build_metadata(segments, bl, self.device, dense=True)
             else:
-                meta = AttentionMetadata(slot_mapping, rows)
+                meta = AttentionMetadata(slots, segments)
             self.attention.begin(meta)
             hidden = self.model(ids, pos, self.attention)
         num_greedy = inputs.num_greedy
