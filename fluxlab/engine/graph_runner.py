@@ -70,8 +70,8 @@ class CapturedForward:
         with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = model(self.input_ids, self.positions, self.attention)
 
-    def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, segments: Segments
-               ) -> torch.Tensor:
+    def load(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, segments: Segments) -> None:
+        """Inputs in place and the attention plan of the next replay."""
         n = ids.shape[0]
         self.input_ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
@@ -79,8 +79,10 @@ class CapturedForward:
         if n < self.slots.shape[0]:
             self.slots[n:].copy_(self.scratch_slots[n:])  # padding writes K/V only to the scratch page
         self.attention.plan(segments.padded(self.segments - segments.num_segments, self.scratch_page))
+
+    def replay(self, num_tokens: int) -> torch.Tensor:
         self.graph.replay()
-        return self.hidden[:n]
+        return self.hidden[:num_tokens]
 
 
 class GraphRunner:
@@ -112,13 +114,17 @@ class GraphRunner:
         bl = self.runner.block_length
         chunks = plan_chunks(segments.row_segments, self.sizes, self.mode)
         self.num_replays += 1
-        if len(chunks) == 1:
-            return self.graphs[chunks[0][1]].replay(ids, positions, slots, segments)
         parts, row, tok = [], 0, 0
         for taken, size in chunks:
-            chunk = segments.rows_range(row, row + taken)
+            chunk = segments if len(chunks) == 1 else segments.rows_range(row, row + taken)
             n = chunk.num_segments * bl
-            hidden = self.graphs[size].replay(ids[tok:tok + n], positions[tok:tok + n], slots[tok:tok + n], chunk)
+            graph = self.graphs[size]
+            graph.load(ids[tok:tok + n], positions[tok:tok + n], slots[tok:tok + n], chunk)
+            if not parts:  # the GPU waits for the first plan; later chunks plan while it runs
+                self.runner.launched_at = time.perf_counter()
+            hidden = graph.replay(n)
+            if len(chunks) == 1:
+                return hidden
             parts.append(hidden.clone())  # graphs share one pool: copy out before the next replay
             row, tok = row + taken, tok + n
         return torch.cat(parts)

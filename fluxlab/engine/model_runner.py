@@ -170,7 +170,7 @@ class ModelRunner:
         # Each query block's request's page table, from the seats' mirror (not the requests' lists)
         segments = Segments(seats.pages[block_seat], query_block + 1, num)
         positions = query_block[:, None] * bl + self._block_offsets
-        token_ids = seats.tokens[block_seat[:, None], positions].ravel()
+        token_ids = seats.blocks[block_seat, query_block].ravel()
         positions = positions.ravel()
         rows = row_seats = None
         if self.on_step is not None:  # TP: the step channel sends rows, keyed by (seat, serial)
@@ -256,10 +256,10 @@ class ModelRunner:
         ids, pos, slots, logit_index, *extra_dev = self._upload(
             [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slot_mapping(segments, bl),
              inputs.logit_index, *extra])
-        self.launched_at = time.perf_counter()
+        # launched_at: after the attention plan (host work the GPU waits for), before the forward
         if self.graphs is not None and self.graphs.can_run(segments):
             self.num_graph_forwards += 1
-            hidden = self.graphs.run(ids, pos, slots, segments)
+            hidden = self.graphs.run(ids, pos, slots, segments)  # sets launched_at between plan and replay
         else:
             self.num_eager_forwards += 1
             if self.backend == "sdpa":
@@ -267,6 +267,7 @@ class ModelRunner:
             else:
                 meta = AttentionMetadata(slots, segments)
             self.attention.begin(meta)
+            self.launched_at = time.perf_counter()
             hidden = self.model(ids, pos, self.attention)
         num_greedy = inputs.num_greedy
         greedy = logits = None

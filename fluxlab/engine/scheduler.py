@@ -191,14 +191,14 @@ class Scheduler:
             return []
         rows = decodes.nonzero()[0]
         seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
-        starts = seats.active_block[seat] * bl
+        active = seats.active_block[seat]
         final = out.final.nonzero()[0]
         if final.shape[0]:
             # A block whose final forward changed none of its tokens got its K/V from that forward,
             # computed over its final tokens: it needs no commit segment in the next forward.
-            written = seats.tokens[seat[final][:, None], starts[final][:, None] + seats.block_offsets]
+            written = seats.blocks[seat[final], active[final]]
             kv_written = ((written == out.blocks[final]).all(axis=1) & self.decode_writes_kv).tolist()
-        seats.tokens[seat[:, None], starts[:, None] + seats.block_offsets] = out.blocks
+        seats.blocks[seat, active] = out.blocks
         seats.forwards[seat] += 1
         seats.tokens_accepted[seat] += out.filled
         seats.tokens_edited[seat] += out.edited
