@@ -366,9 +366,9 @@ class Scheduler:
         if total_missing > manager.num_free_pages:
             return None
         requests = [self.running[i] for i in candidates.tolist()]
-        if total_missing:
-            for i in missing.nonzero()[0].tolist():  # in row order: the pages the sequential rule gives
-                manager.allocate(requests[i], int(first[i] + num[i]))
+        if total_missing:  # in row order: the pages the sequential rule gives
+            short = missing.nonzero()[0]
+            manager.extend([requests[i] for i in short.tolist()], (first + num)[short].tolist())
         return requests, slots, first, num, decodes, barrier, single
 
     def _place_running_one_by_one(self, total_blocks: int):
