@@ -4,6 +4,7 @@ rows), value for value and dtype for dtype, on hand-made rows and on every forwa
 runs (prefill chunks, commit + decode rows, decode rows, pages shared through the prefix cache)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from itertools import chain
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fluxlab.engine.layers.attention import build_metadata, slot_mapping
+from fluxlab.engine.layers.attention import build_metadata
 from fluxlab.engine.layers.attention_fa4 import segment_tables
 from fluxlab.engine.layers.attention_flashinfer import plan_indices
 from fluxlab.engine.layers.segments import Segments
@@ -82,11 +83,24 @@ def assert_plans_equal(segments: Segments, rows, bl: int, width: int) -> None:
         assert_same(got, want)
     for got, want in zip(segment_tables(segments, width, fill_page=7), rowwise_fa4(rows, width, fill_page=7)):
         assert_same(got, want)
-    slots = torch.from_numpy(slot_mapping(segments, bl))
+    slots = torch.from_numpy(segments.slot_mapping(bl))
     assert slots.dtype == torch.long and torch.equal(slots, rowwise_slots(rows, bl))
     meta = build_metadata(segments, bl, torch.device("cpu"))
     for got, want in zip((meta.page_indices, meta.query_gather, meta.query_scatter, meta.mask), rowwise_dense(rows, bl)):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def assert_same_inputs(inputs, decode_inputs, want, want_decode) -> None:
+    for name in ("token_ids", "positions", "logit_index"):
+        assert_same(getattr(inputs, name), getattr(want, name))
+    assert inputs.num_greedy == want.num_greedy
+    for name in ("tables", "windows", "row_segments"):
+        assert_same(getattr(inputs.segments, name), getattr(want.segments, name))
+    assert (decode_inputs is None) == (want_decode is None)
+    if decode_inputs is not None:
+        for name in ("slots", "block_index", "greedy_target", "full_rows", "log_len"):
+            assert_same(getattr(decode_inputs, name), getattr(want_decode, name))
+        assert decode_inputs.requests == want_decode.requests and decode_inputs.decoders == want_decode.decoders
 
 
 def random_rows(rng: random.Random, num_rows: int, shared: bool):
@@ -136,16 +150,21 @@ def test_fa4_tables_refuse_a_window_past_their_width():
 def test_every_engine_forward_plans_what_its_rows_page_tables_give(monkeypatch, policy, prefix_cache):
     """The runner builds each forward's segments from the seats' page mirror; they equal the plan of
     its rows built from each request's own page table, forward by forward (prompts sharing a
-    prefix, so cached pages are shared; budgets that chunk prefills; commit + decode rows)."""
+    prefix, so cached pages are shared; budgets that chunk prefills; commit + decode rows; greedy,
+    editing and sampled rows), and what prepare reuses for a batch of the same rows equals a fresh build."""
     llm = engine_llm(f"scheduler={policy}", f"scheduler.enable_prefix_cache={prefix_cache}",
                      f"scheduler.max_scheduled_tokens={6 * BL}", "scheduler.max_num_seqs=4")
     engine = llm.engine
     runner = engine.runner
-    seen = {"forwards": 0, "multi_block": 0, "single": 0, "shared": 0}
+    seen = {"forwards": 0, "multi_block": 0, "single": 0, "shared": 0, "same_rows": 0}
     prepare = runner.prepare
 
     def checked_prepare(batch):
         inputs, decode_inputs = prepare(batch)
+        if batch.same_rows:  # what prepare reused from the last batch equals what it derives afresh
+            seen["same_rows"] += 1
+            fresh, fresh_decode = prepare(dataclasses.replace(batch, same_rows=False))
+            assert_same_inputs(inputs, decode_inputs, fresh, fresh_decode)
         rows = [(f, n, list(r.page_table)) for r, f, n in zip(batch.requests, batch.first_block.tolist(),
                                                                batch.num_blocks.tolist())]
         assert_plans_equal(inputs.segments, rows, BL, width=runner.max_blocks_per_seq)
@@ -160,9 +179,12 @@ def test_every_engine_forward_plans_what_its_rows_page_tables_give(monkeypatch, 
     shared = prompts(llm, [3 * BL + 5], seed=11)[0]
     batch = [shared + p for p in prompts(llm, [3, BL + 7, 9], seed=12)] + prompts(llm, [2 * BL + 3, 5], seed=13)
     params = SamplingParams(max_new_tokens=2 * BL, ignore_eos=True)
+    # an editing decoder (greedy logits past the masks) and a sampled row (whole-block logits) too
+    mixed = [params, params, SamplingParams(max_new_tokens=2 * BL, ignore_eos=True, decoder="joint_threshold"),
+             SamplingParams(max_new_tokens=2 * BL, ignore_eos=True, temperature=0.8, seed=3), params]
     first = llm.generate(batch[:2], params)  # leaves the shared prefix in the cache
-    second = llm.generate(batch, params)
+    second = llm.generate(batch, mixed)
     assert [r.token_ids for r in second[:2]] == [r.token_ids for r in first]
-    assert seen["multi_block"] and seen["single"] and seen["forwards"] > 10
+    assert seen["multi_block"] and seen["single"] and seen["same_rows"] and seen["forwards"] > 10
     if prefix_cache == "true":
         assert seen["shared"]

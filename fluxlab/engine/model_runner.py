@@ -20,7 +20,7 @@ from fluxlab.engine.decoding.base import DecodeBatch
 from fluxlab.engine.decoding.sampling import filtered_probs
 from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.moe import check_routing_blocks
-from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata, slot_mapping
+from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
@@ -55,6 +55,30 @@ class StepInputs:
     @property
     def num_segments(self) -> int:
         return self.plan_segments().num_segments
+
+
+@dataclass
+class RowArrays:
+    """What prepare derives from a batch's rows alone (not their tokens): reused while the
+    scheduler hands the same rows again (ScheduledBatch.same_rows)."""
+
+    slots: np.ndarray  # the batch's own arrays (checked by identity before a reuse)
+    first_block: np.ndarray
+    block_seat: np.ndarray  # [S] each query block's seat
+    query_block: np.ndarray  # [S] its block in that seat's canvas
+    segments: Segments
+    positions: np.ndarray  # [T]
+    tp_rows: Optional[list] = None  # StepInputs.rows and .seats (TP only)
+    tp_seats: Optional[list] = None
+    # Decoding rows (seat None: none decodes):
+    seat: Optional[np.ndarray] = None  # [R]
+    block_index: Optional[np.ndarray] = None  # [R * bl] flat token index of each active block
+    requests: Optional[list[Request]] = None
+    greedy_if_masked: Optional[np.ndarray] = None  # [R, bl] a greedy logit wherever these hold a mask
+    greedy_always: Optional[np.ndarray] = None  # [R, bl] greedy logits whatever the token (editing decoders)
+    full_rows: Optional[np.ndarray] = None  # [F]
+    full_index: Optional[np.ndarray] = None  # [F * bl] their flat token indices
+    decoders: Optional[list[str]] = None
 
 
 @dataclass
@@ -102,8 +126,10 @@ class ModelRunner:
         # the host time a step costs the GPU is (launch - step start) + (step end - results).
         self.launched_at = self.results_at = 0.0
         self._staging = torch.empty(0, dtype=torch.long)
+        self._on_cuda = device.type == "cuda"
         self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         self._iota = np.arange(0)  # 0, 1, 2, ...: read-only views instead of a new arange each step
+        self._rows: Optional[RowArrays] = None  # the last batch's, for a batch of the same rows
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
@@ -155,7 +181,35 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
         """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
-        index is computed with numpy over the batch's seats (seats.py), no loop over rows."""
+        index is computed with numpy over the batch's seats (seats.py), no loop over rows; what
+        depends on the rows alone is reused while the scheduler hands the same rows again."""
+        bl = self.block_length
+        seats = batch.seats
+        rows = self._rows
+        if not (batch.same_rows and rows is not None and rows.slots is batch.slots
+                and rows.first_block is batch.first_block):
+            rows = self._rows = self._row_arrays(batch)
+        token_ids = seats.blocks[rows.block_seat, rows.query_block].ravel()
+        if rows.seat is None:  # no row decodes (prefill chunks only)
+            return StepInputs(token_ids, rows.positions, rows.tp_rows, np.zeros(0, dtype=np.int64),
+                              seats=rows.tp_seats, segments=rows.segments), None
+        num_rows = rows.seat.shape[0]
+        blocks = (token_ids if batch.single_blocks else token_ids[rows.block_index]).reshape(num_rows, bl)
+        # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
+        # editing decoder.
+        need = rows.greedy_if_masked & (blocks == self.mask_id)
+        if rows.greedy_always is not None:
+            need |= rows.greedy_always
+        greedy_target = need.ravel().nonzero()[0]
+        logit_index = rows.block_index[greedy_target]
+        if rows.full_rows.shape[0]:
+            logit_index = np.concatenate([logit_index, rows.full_index])
+        decode_inputs = DecodeInputs(rows.requests, rows.seat, rows.block_index, greedy_target, rows.full_rows,
+                                     seats.log_len[rows.seat], rows.decoders)
+        return (StepInputs(token_ids, rows.positions, rows.tp_rows, logit_index, len(greedy_target),
+                           seats=rows.tp_seats, segments=rows.segments), decode_inputs)
+
+    def _row_arrays(self, batch: ScheduledBatch) -> "RowArrays":
         bl = self.block_length
         seats = batch.seats
         slots, first, num = batch.slots, batch.first_block, batch.num_blocks
@@ -169,65 +223,52 @@ class ModelRunner:
             query_block = np.repeat(first - block_ends + num, num) + self._range(int(block_ends[-1]))
         # Each query block's request's page table, from the seats' mirror (not the requests' lists)
         segments = Segments(seats.pages[block_seat], query_block + 1, num)
-        positions = query_block[:, None] * bl + self._block_offsets
-        token_ids = seats.blocks[block_seat, query_block].ravel()
-        positions = positions.ravel()
-        rows = row_seats = None
+        positions = (query_block[:, None] * bl + self._block_offsets).ravel()
+        rows = RowArrays(slots, first, block_seat, query_block, segments, positions)
         if self.on_step is not None:  # TP: the step channel sends rows, keyed by (seat, serial)
-            rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(),
-                            [r.page_table for r in batch.requests]))
-            row_seats = list(zip(slots.tolist(), [r.serial for r in batch.requests]))
+            rows.tp_rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(),
+                                    [r.page_table for r in batch.requests]))
+            rows.tp_seats = list(zip(slots.tolist(), [r.serial for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
             check_routing_blocks(positions, self.routing_block_size, row_starts=(block_ends - num) * bl)
         if batch.single_blocks and slots.shape[0]:  # every row decodes, its block is its whole input
-            num_rows = slots.shape[0]
-            seat, block_index = slots, self._range(num_rows * bl)
-            blocks = token_ids.reshape(num_rows, bl)
+            seat, block_index = slots, self._range(slots.shape[0] * bl)
+            rows.requests = batch.requests
         else:
             decoding_rows = batch.decodes.nonzero()[0]
             if not decoding_rows.shape[0]:
-                return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), seats=row_seats,
-                                  segments=segments), None
-            num_rows = decoding_rows.shape[0]
+                return rows
             seat = slots[decoding_rows]
             block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
-            blocks = token_ids[block_index].reshape(num_rows, bl)
+            rows.requests = [batch.requests[i] for i in decoding_rows.tolist()]
+        rows.seat, rows.block_index = seat, block_index
         prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
         # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
         full = seats.full_logits[seat]
-        editable = self._block_offsets >= prompt[:, None]
-        # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
-        # editing decoder.
-        need = editable & (seats.edits[seat][:, None] | (blocks == self.mask_id)) & ~full[:, None]
-        greedy_target = need.ravel().nonzero()[0]
-        full_rows = full.nonzero()[0]
-        logit_index = block_index[greedy_target]
-        if full_rows.shape[0]:
-            logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
-        decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
-        requests = batch.requests if batch.single_blocks else [batch.requests[i] for i in decoding_rows.tolist()]
-        decode_inputs = DecodeInputs(requests, seat, block_index,
-                                     greedy_target, full_rows, seats.log_len[seat], decoders)
-        return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), seats=row_seats,
-                           segments=segments), decode_inputs)
+        rows.greedy_if_masked = (self._block_offsets >= prompt[:, None]) & ~full[:, None]
+        edits = seats.edits[seat]
+        if edits.any():
+            rows.greedy_always = rows.greedy_if_masked & edits[:, None]
+        rows.full_rows = full.nonzero()[0]
+        rows.full_index = block_index.reshape(seat.shape[0], bl)[rows.full_rows].ravel()
+        rows.decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
+        return rows
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""
         sizes = [a.shape[0] for a in arrays]
+        if not self._on_cuda:  # the tensors are the host arrays themselves: one fresh concatenation
+            return torch.from_numpy(np.concatenate(arrays)).split_with_sizes(sizes)
         total = sum(sizes)
         if self._staging.shape[0] < total:
-            pin = self.device.type == "cuda"
-            self._staging = torch.empty(max(total, 2 * self._staging.shape[0]), dtype=torch.long, pin_memory=pin)
+            self._staging = torch.empty(max(total, 2 * self._staging.shape[0]), dtype=torch.long, pin_memory=True)
             self._staging_np = self._staging.numpy()
         np.concatenate(arrays, out=self._staging_np[:total])
-        if self.device.type == "cuda":
-            # Safe to reuse next step: each step ends on a device->host copy ordered after this one.
-            packed = self._staging[:total].to(self.device, non_blocking=True)
-        else:
-            packed = self._staging[:total].clone()
+        # Safe to reuse next step: each step ends on a device->host copy ordered after this one.
+        packed = self._staging[:total].to(self.device, non_blocking=True)
         return packed.split_with_sizes(sizes)  # no torch.split wrapper: ~2 µs a step
 
     # --- the forward ---
@@ -254,7 +295,7 @@ class ModelRunner:
         bl = self.block_length
         segments = inputs.plan_segments()
         ids, pos, slots, logit_index, *extra_dev = self._upload(
-            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slot_mapping(segments, bl),
+            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, segments.slot_mapping(bl),
              inputs.logit_index, *extra])
         # launched_at: after the attention plan (host work the GPU waits for), before the forward
         if self.graphs is not None and self.graphs.can_run(segments):

@@ -31,15 +31,10 @@ class AttentionMetadata:
     mask: Optional[torch.Tensor] = None  # [R, 1, Q, P * block_length] True = may attend
 
 
-def slot_mapping(segments: Segments, block_length: int) -> np.ndarray:
-    """[T] the cache slot of each query token: its segment's own page, offset within the block."""
-    return (segments.pages[:, None] * block_length + np.arange(block_length)).ravel()
-
-
 def build_metadata(segments: Segments, block_length: int, device: torch.device,
                    dense: bool = True) -> AttentionMetadata:
     """`dense` adds the padded gather/mask tensors the sdpa backend needs (one padded row per row)."""
-    meta = AttentionMetadata(torch.from_numpy(slot_mapping(segments, block_length)).to(device, non_blocking=True),
+    meta = AttentionMetadata(torch.from_numpy(segments.slot_mapping(block_length)).to(device, non_blocking=True),
                              segments)
     if not dense:
         return meta

@@ -57,7 +57,7 @@ class Fa4Attention:
     def plan(self, segments: Segments) -> None:
         """Host-side tables of the next forward (outside any CUDA graph)."""
         width = self.max_pages if self.graph_segments else int(segments.windows.max())
-        table, used = segment_tables(segments, width)
+        table, used = segments.memo(("fa4", width), lambda: segment_tables(segments, width))
         tokens = torch.from_numpy(used * self.block_length)
         if self.graph_segments:
             assert table.shape[0] == self.graph_segments, (table.shape, self.graph_segments)

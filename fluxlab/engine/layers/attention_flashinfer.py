@@ -75,7 +75,8 @@ class FlashInferAttention:
 
     def plan(self, segments: Segments) -> None:
         """Host-side scheduling of the next forward (outside any CUDA graph)."""
-        qo_indptr, kv_indptr, kv_indices = plan_indices(segments, self.block_length)
+        qo_indptr, kv_indptr, kv_indices = segments.memo(("flashinfer", self.block_length),
+                                                         lambda: plan_indices(segments, self.block_length))
         num_segments = len(qo_indptr) - 1
         i32 = dict(dtype=torch.int32)
         self.wrapper.plan(

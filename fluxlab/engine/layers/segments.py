@@ -8,17 +8,29 @@ tests, the memory probe).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 
 @dataclass
 class Segments:
+    """Never written after it is built: what is derived from it (slot mappings, padded copies, a
+    backend's plan arrays) is kept in `memo` and reused while the runner reuses the segments
+    (a batch of the same rows as the last, ScheduledBatch.same_rows)."""
+
     tables: np.ndarray  # [S, W] int: the page table of each segment's request (read up to windows[s])
     windows: np.ndarray  # [S] int: pages each segment attends to (its block + 1)
     row_segments: np.ndarray  # [R] int: consecutive segments of each row, in batch order
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """build(), once per key for these segments (its result must not be written either)."""
+        value = self._memo.get(key)
+        if value is None:
+            value = self._memo[key] = build()
+        return value
 
     @classmethod
     def of_rows(cls, rows: Sequence[tuple[int, int, Sequence[int]]]) -> "Segments":
@@ -48,10 +60,18 @@ class Segments:
         """[S] each segment's own page (its block's: where its K/V is written)."""
         return self.tables[np.arange(self.windows.shape[0]), self.windows - 1]
 
+    def slot_mapping(self, block_length: int) -> np.ndarray:
+        """[S * block_length] the cache slot of each query token: its segment's page, its offset."""
+        return self.memo(("slots", block_length),
+                         lambda: (self.pages[:, None] * block_length + np.arange(block_length)).ravel())
+
     def padded(self, count: int, page: int) -> "Segments":
         """These segments, then `count` scratch segments on `page`."""
         if not count:
             return self
+        return self.memo(("padded", count, page), lambda: self._padded(count, page))
+
+    def _padded(self, count: int, page: int) -> "Segments":
         tables = np.full((self.num_segments + count, self.tables.shape[1]), page, dtype=self.tables.dtype)
         tables[:self.num_segments] = self.tables
         return Segments(tables, np.concatenate([self.windows, np.ones(count, dtype=self.windows.dtype)]),
