@@ -9,9 +9,9 @@ returns a fixed token with precomputed pseudo-random confidences (so the thresho
 its scheduled k per step, as random weights do on the GPU). What remains is the host path the GPU
 waits for between graph replays: schedule, prepare, the host half of execute (index math, upload)
 up to the launch, and postprocess after the results. `--plan flashinfer` adds the host half of
-FlashInfer's plan before the launch (its index arrays; not the wrapper's own plan call, which
-needs the GPU). The decode step (decoder ops on CPU tensors; on the GPU they queue behind the
-forward) is reported apart and left out of the host total.
+FlashInfer's plan before the launch (its index tensors, on the host; not the wrapper's own plan
+call, which needs the GPU). The decode step (decoder ops on CPU tensors; on the GPU they queue
+behind the forward) is reported apart and left out of the host total.
 Uses only LLMEngine's public objects, so the same script measures an older fluxlab checkout too.
 """
 from __future__ import annotations
@@ -69,10 +69,12 @@ class FlashInferHostPlan:
         from fluxlab.engine.layers import attention_flashinfer
 
         self.started_at = time.perf_counter()
-        if hasattr(attention_flashinfer, "plan_indices"):
-            attention_flashinfer.plan_indices(meta.segments, self.block_length)
+        if hasattr(attention_flashinfer, "plan_tensors"):
+            attention_flashinfer.plan_tensors(meta.segments, self.block_length, torch.device("cpu"))
         else:  # a checkout from before issue 13d plans from per-row page tables
-            attention_flashinfer.segments(meta.rows, self.block_length)
+            qo_indptr, kv_indptr, kv_indices = attention_flashinfer.segments(meta.rows, self.block_length)
+            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(kv_indices)
+            torch.full((len(qo_indptr) - 1,), self.block_length, dtype=torch.int32)
         self.seconds = time.perf_counter() - self.started_at
 
 

@@ -57,15 +57,19 @@ class Fa4Attention:
     def plan(self, segments: Segments) -> None:
         """Host-side tables of the next forward (outside any CUDA graph)."""
         width = self.max_pages if self.graph_segments else int(segments.windows.max())
-        table, used = segments.memo(("fa4", width), lambda: segment_tables(segments, width))
-        tokens = torch.from_numpy(used * self.block_length)
+        # (host tables, kept with the segments: a batch of the same rows plans from them again)
+        table, tokens = segments.memo(("fa4", width, self.block_length), lambda: self._plan_tensors(segments, width))
         if self.graph_segments:
             assert table.shape[0] == self.graph_segments, (table.shape, self.graph_segments)
-            self.page_table.copy_(torch.from_numpy(table), non_blocking=True)
+            self.page_table.copy_(table, non_blocking=True)
             self.seqused_k.copy_(tokens, non_blocking=True)
         else:
-            self.page_table = torch.from_numpy(table).to(self.device, non_blocking=True)
+            self.page_table = table.to(self.device, non_blocking=True)
             self.seqused_k = tokens.to(self.device, non_blocking=True)
+
+    def _plan_tensors(self, segments: Segments, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table, used = segment_tables(segments, width)
+        return torch.from_numpy(table), torch.from_numpy(used * self.block_length)
 
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta

@@ -43,6 +43,20 @@ def plan_indices(segments: Segments, block_length: int) -> tuple[np.ndarray, np.
     return qo_indptr, kv_indptr, kv_indices
 
 
+def plan_tensors(segments: Segments, block_length: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """plan()'s arguments (qo_indptr, kv_indptr on the host, kv_indices on `device`, last page
+    lengths), kept with the segments: a batch of the same rows plans from them again."""
+
+    def build():
+        qo_indptr, kv_indptr, kv_indices = plan_indices(segments, block_length)
+        return (torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
+                torch.from_numpy(kv_indices).to(device, non_blocking=True),
+                torch.full((segments.num_segments,), block_length, dtype=torch.int32))
+
+    return segments.memo(("flashinfer", block_length, device), build)
+
+
 class FlashInferAttention:
     def __init__(self, cache: KVCache, model_config, device: torch.device, *, num_qo_heads: Optional[int] = None,
                  num_kv_heads: Optional[int] = None, graph_segments: int = 0, graph_max_pages: int = 0,
@@ -75,14 +89,9 @@ class FlashInferAttention:
 
     def plan(self, segments: Segments) -> None:
         """Host-side scheduling of the next forward (outside any CUDA graph)."""
-        qo_indptr, kv_indptr, kv_indices = segments.memo(("flashinfer", self.block_length),
-                                                         lambda: plan_indices(segments, self.block_length))
-        num_segments = len(qo_indptr) - 1
-        i32 = dict(dtype=torch.int32)
+        qo_indptr, kv_indptr, kv_indices, last_page_len = plan_tensors(segments, self.block_length, self.device)
         self.wrapper.plan(
-            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
-            torch.from_numpy(kv_indices).to(self.device, non_blocking=True),
-            torch.full((num_segments,), self.block_length, **i32),
+            qo_indptr, kv_indptr, kv_indices, last_page_len,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_length,
             causal=False, sm_scale=self.head_dim ** -0.5,
             q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
