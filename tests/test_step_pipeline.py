@@ -388,3 +388,29 @@ def test_flashinfer_segments_plan_each_query_block_over_its_prefix_pages():
     assert kv_indptr.tolist() == [0, 3, 4, 6, 8, 11]
     assert kv_indices.tolist() == [7, 8, 9, 4, 4, 5, 1, 2, 1, 2, 3]
     assert qo.dtype == kv_indptr.dtype == kv_indices.dtype == np.int32
+
+
+def test_extend_gives_the_pages_one_allocate_per_request_gives():
+    """Schedule grows the running rows' tables in one call: the same pages, in row order, and the
+    seats' mirror as allocate writes it."""
+    from fluxlab.engine.block_manager import BlockManager
+    from fluxlab.engine.sequence import Request
+
+    def setup():
+        manager = BlockManager(12, enable_prefix_cache=True, num_seats=3, max_blocks_per_seq=6)
+        requests = [Request(f"r{i}", list(range(1, 2 + 5 * i)), SamplingParams(max_new_tokens=16), 4, 0, (99,))
+                    for i in range(3)]
+        for seat, request in enumerate(requests):
+            request.slot = seat
+            manager.allocate(request, 1 + seat)
+        return manager, requests
+
+    one, by_row = setup()
+    batched, rows = setup()
+    want = [3, 4, 5]
+    for request, n in zip(by_row, want):
+        one.allocate(request, n)
+    batched.extend(rows, want)
+    assert [r.page_table for r in rows] == [r.page_table for r in by_row]
+    assert np.array_equal(batched.seat_pages, one.seat_pages)
+    assert np.array_equal(batched.seat_num_pages, one.seat_num_pages) and batched.seat_num_pages.tolist() == want

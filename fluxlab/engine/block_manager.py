@@ -189,7 +189,12 @@ class BlockManager:
 
     def extend(self, requests: list[Request], num_blocks: list[int]) -> None:
         """Seated requests' tables grow to num_blocks[i] pages each, in order (the pages one
-        allocate() per request would give); the caller has checked that the pages are there."""
+        allocate() per request would give); the caller has checked that the pages are there. A
+        subclass with its own allocate rule (canvas_pages.py: sliding rings) gets its allocate."""
+        if type(self).allocate is not BlockManager.allocate:
+            for request, n in zip(requests, num_blocks):
+                self.allocate(request, n)
+            return
         seats, columns, pages = [], [], []
         for request, n in zip(requests, num_blocks):
             table = request.page_table
