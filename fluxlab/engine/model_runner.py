@@ -179,6 +179,10 @@ class ModelRunner:
             self._iota.flags.writeable = False
         return self._iota[:n]
 
+    def _block_rows(self, num_blocks: int) -> np.ndarray:
+        """[num_blocks, bl] the flat indices of blocks 0.. (a view: a row gather beats broadcasting)."""
+        return self._range(num_blocks * self.block_length).reshape(num_blocks, self.block_length)
+
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
         """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
         index is computed with numpy over the batch's seats (seats.py), no loop over rows; what
@@ -223,7 +227,7 @@ class ModelRunner:
             query_block = np.repeat(first - block_ends + num, num) + self._range(int(block_ends[-1]))
         # Each query block's request's page table, from the seats' mirror (not the requests' lists)
         segments = Segments(seats.pages[block_seat], query_block + 1, num)
-        positions = (query_block[:, None] * bl + self._block_offsets).ravel()
+        positions = self._block_rows(int(seats.max_blocks))[query_block].ravel()
         rows = RowArrays(slots, first, block_seat, query_block, segments, positions)
         if self.on_step is not None:  # TP: the step channel sends rows, keyed by (seat, serial)
             rows.tp_rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(),
@@ -240,9 +244,12 @@ class ModelRunner:
             decoding_rows = batch.decodes.nonzero()[0]
             if not decoding_rows.shape[0]:
                 return rows
-            seat = slots[decoding_rows]
-            block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
-            rows.requests = [batch.requests[i] for i in decoding_rows.tolist()]
+            # each decoding row's active block is its last query block
+            block_index = self._block_rows(int(block_ends[-1]))[block_ends[decoding_rows] - 1].ravel()
+            if decoding_rows.shape[0] == slots.shape[0]:
+                seat, rows.requests = slots, batch.requests
+            else:
+                seat, rows.requests = slots[decoding_rows], [batch.requests[i] for i in decoding_rows.tolist()]
         rows.seat, rows.block_index = seat, block_index
         prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)

@@ -236,9 +236,9 @@ class Scheduler:
                     self._repeat_same = False
             return outputs
         # The seats move on to their next block (counters, decoder state zero at block entry) ...
-        seat = seat[final]
-        committed = seats.active_block[seat].tolist()
-        seats.active_block[seat] += 1
+        seat, committed = seat[final], active[final]
+        seats.active_block[seat] = committed + 1
+        committed = committed.tolist()
         for array in (seats.forwards_in_block, seats.state, seats.columns, seats.log_len):
             array[seat] = 0
         work = [getattr(seats, name)[seat].tolist() for name in UNFOLDED]
