@@ -98,7 +98,7 @@ def assert_same_inputs(inputs, decode_inputs, want, want_decode) -> None:
         assert_same(getattr(inputs.segments, name), getattr(want.segments, name))
     assert (decode_inputs is None) == (want_decode is None)
     if decode_inputs is not None:
-        for name in ("slots", "block_index", "greedy_target", "full_rows", "log_len"):
+        for name in ("slots", "block_index", "greedy_target", "full_rows", "log_len", "owners"):
             assert_same(getattr(decode_inputs, name), getattr(want_decode, name))
         assert decode_inputs.requests == want_decode.requests and decode_inputs.decoders == want_decode.decoders
 

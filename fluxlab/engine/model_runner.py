@@ -79,6 +79,7 @@ class RowArrays:
     full_rows: Optional[np.ndarray] = None  # [F]
     full_index: Optional[np.ndarray] = None  # [F * bl] their flat token indices
     decoders: Optional[list[str]] = None
+    owners: Optional[np.ndarray] = None  # [R, 2] (request serial, active block)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class DecodeInputs:
     full_rows: np.ndarray  # [F] rows with whole-block full logits (temperature > 0 or a needs_logits decoder)
     log_len: np.ndarray  # [R] rows each row's decoder has logged in this block (its host log's length)
     decoders: list[str]  # decoders present in the batch
+    owners: np.ndarray  # [R, 2] (request serial, active block): the step state a seat must hold
 
 
 class ModelRunner:
@@ -209,7 +211,7 @@ class ModelRunner:
         if rows.full_rows.shape[0]:
             logit_index = np.concatenate([logit_index, rows.full_index])
         decode_inputs = DecodeInputs(rows.requests, rows.seat, rows.block_index, greedy_target, rows.full_rows,
-                                     seats.log_len[rows.seat], rows.decoders)
+                                     seats.log_len[rows.seat], rows.decoders, rows.owners)
         return (StepInputs(token_ids, rows.positions, rows.tp_rows, logit_index, len(greedy_target),
                            seats=rows.tp_seats, segments=rows.segments), decode_inputs)
 
@@ -262,6 +264,7 @@ class ModelRunner:
         rows.full_rows = full.nonzero()[0]
         rows.full_index = block_index.reshape(seat.shape[0], bl)[rows.full_rows].ravel()
         rows.decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
+        rows.owners = np.stack([seats.serial[seat], seats.active_block[seat]], axis=1)
         return rows
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -333,7 +336,7 @@ class ModelRunner:
         bl = self.block_length
         num = len(inputs.requests)
         state_store = self.step_state
-        state_store.refresh(inputs.requests)
+        state_store.refresh(inputs.requests, inputs.slots, inputs.owners)
         block = ids[block_index].view(num, bl)  # the active blocks as the forward read them
         tokens = block.clone().view(-1)
         conf = torch.zeros(num * bl, dtype=torch.float32, device=self.device)
@@ -390,4 +393,4 @@ class ModelRunner:
 
     def invalidate_step_state(self) -> None:
         """After a failed step: rewrite every seat from the host mirror before its next use."""
-        self.step_state.owner = [None] * len(self.step_state.owner)
+        self.step_state.owner[:] = -1

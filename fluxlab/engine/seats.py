@@ -35,6 +35,7 @@ class Seats:
         self.column_names = sorted({c for d in DECODERS.values() for c in d.columns})
         self.decoder_names = list(DECODERS)
         self.requests: list[Optional[Request]] = [None] * num_seats
+        self.serial = np.full(num_seats, -1, dtype=np.int64)  # the seated request's serial
         self.tokens = np.zeros((num_seats, max_blocks * block_length), dtype=np.int64)  # the canvas
         # The same memory by block: [seat, block] indexes whole blocks (4x faster than [seat, positions])
         self.blocks = self.tokens.reshape(num_seats, max_blocks, block_length)
@@ -77,6 +78,7 @@ class Seats:
         self.edits[seat] = decoder.edits
         self.full_logits[seat] = request.params.temperature > 0 or decoder.needs_logits
         self.requests[seat] = request
+        self.serial[seat] = request.serial
         request.seat_in(self, seat)
 
     def detach(self, request: Request) -> None:
