@@ -10,7 +10,7 @@ are copied back into the request, so a preempted request resumes with the same v
 Only the scheduler writes these arrays (its postprocess, and admission / preemption in schedule);
 tests/test_step_pipeline.py checks that a step's forward leaves them untouched. The page tables'
 mirror (`pages`) belongs to the block manager, which writes it as it hands out pages; the runner
-reads it to build slot mappings.
+reads it to build slot mappings and the attention plan (layers/segments.py).
 """
 from __future__ import annotations
 
