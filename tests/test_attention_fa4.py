@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fluxlab.engine.layers.attention_fa4 import segment_tables
-from fluxlab.engine.layers.attention_flashinfer import segments
+from fluxlab.engine.layers.attention_flashinfer import plan_indices
+from fluxlab.engine.layers.segments import Segments
 
 
 def random_rows(num_rows: int, num_pages: int, rng: random.Random, max_blocks: int = 3):
@@ -26,8 +27,8 @@ def random_rows(num_rows: int, num_pages: int, rng: random.Random, max_blocks: i
 
 def test_segment_tables_hold_the_pages_flashinfer_plans():
     rows = random_rows(7, 64, random.Random(3), max_blocks=4)
-    table, used = segment_tables(rows, width=8, fill_page=63)
-    _, kv_indptr, kv_indices = segments(rows, 32)
+    table, used = segment_tables(Segments.of_rows(rows), width=8, fill_page=63)
+    _, kv_indptr, kv_indices = plan_indices(Segments.of_rows(rows), 32)
     assert table.shape == (len(kv_indptr) - 1, 8) and table.dtype == np.int32
     for s in range(table.shape[0]):
         pages = kv_indices[kv_indptr[s]:kv_indptr[s + 1]]
@@ -82,15 +83,15 @@ def test_fa4_backend_matches_sdpa_through_the_package_contract(reference_fa4, gr
     n = sum(r[1] for r in rows)
     q, k, v = (torch.randn(n * bl, h, 16, generator=gen) for h in (4, 2, 2))
     sdpa = SdpaAttention(caches[0])
-    sdpa.begin(build_metadata(rows, bl, device))
+    sdpa.begin(build_metadata(Segments.of_rows(rows), bl, device))
     want = sdpa.forward(0, q, k, v)
     fa4 = Fa4Attention(caches[1], device, num_qo_heads=4, head_dim=16, max_blocks_per_seq=8,
                        graph_segments=graph_segments)
-    meta = build_metadata(rows, bl, device, dense=False)
+    meta = build_metadata(Segments.of_rows(rows), bl, device, dense=False)
     if graph_segments:  # as the graph runner replays: real rows, then scratch segments on page 40
         pad = graph_segments - n
-        fa4.meta = AttentionMetadata(torch.cat([meta.slot_mapping, torch.arange(40 * bl, 41 * bl).repeat(pad)]), [])
-        fa4.plan(rows + [(0, 1, [40])] * pad)
+        fa4.meta = AttentionMetadata(torch.cat([meta.slot_mapping, torch.arange(40 * bl, 41 * bl).repeat(pad)]), None)
+        fa4.plan(Segments.of_rows(rows).padded(pad, 40))
         q, k, v = (torch.cat([t, torch.zeros(pad * bl, *t.shape[1:])]) for t in (q, k, v))
         got = fa4.forward(0, q, k, v)[:n * bl]
     else:
@@ -160,8 +161,8 @@ def test_fa4_matches_sdpa_on_paged_rows(max_blocks):
     (ref_cache, fa4_cache), (q, k, v) = _paged_case(rows)
     sdpa = SdpaAttention(ref_cache)
     fa4 = Fa4Attention(fa4_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8)
-    sdpa.begin(build_metadata(rows, bl, device))
-    fa4.begin(build_metadata(rows, bl, device, dense=False))
+    sdpa.begin(build_metadata(Segments.of_rows(rows), bl, device))
+    fa4.begin(build_metadata(Segments.of_rows(rows), bl, device, dense=False))
     want, got = sdpa.forward(0, q, k, v).float(), fa4.forward(0, q, k, v).float()
     assert torch.isfinite(got).all()
     assert (want - got).norm() / want.norm() < 1e-2
@@ -183,10 +184,9 @@ def test_fa4_graph_replay_follows_new_rows():
     eager = Fa4Attention(eager_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8)
     graphed = Fa4Attention(graph_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8,
                            graph_segments=segs)
-    scratch = [(0, 1, [63])] * segs
     slots = torch.arange(63 * bl, 64 * bl, device=device).repeat(segs)
-    graphed.meta = AttentionMetadata(slots, [])
-    graphed.plan(scratch)
+    graphed.meta = AttentionMetadata(slots, None)
+    graphed.plan(Segments.scratch(segs, 63))
     graphed.forward(0, q, k, v)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -195,12 +195,12 @@ def test_fa4_graph_replay_follows_new_rows():
     for trial in range(2):
         trial_rows = rows[:2 + trial]
         n = sum(r[1] for r in trial_rows)
-        meta = build_metadata(trial_rows, bl, device, dense=False)
+        meta = build_metadata(Segments.of_rows(trial_rows), bl, device, dense=False)
         eager.begin(meta)
         want = eager.forward(0, q[:n * bl], k[:n * bl], v[:n * bl])
         slots[:n * bl].copy_(meta.slot_mapping)
         slots[n * bl:] = torch.arange(63 * bl, 64 * bl, device=device).repeat(segs - n)
-        graphed.plan(trial_rows + scratch[:segs - n])
+        graphed.plan(Segments.of_rows(trial_rows).padded(segs - n, 63))
         graph.replay()
         # the same kernel on another batch shape: equal up to a bf16 rounding step
         torch.testing.assert_close(out[:n * bl], want, rtol=0, atol=2e-2)

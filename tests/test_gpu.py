@@ -30,6 +30,7 @@ def test_flashinfer_matches_sdpa_on_random_paged_inputs():
     _flashinfer()
     from fluxlab.engine.layers.attention import KVCache, SdpaAttention, build_metadata
     from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
+    from fluxlab.engine.layers.segments import Segments
     from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
     from fluxlab.engine.presets import preset_config
 
@@ -47,8 +48,8 @@ def test_flashinfer_matches_sdpa_on_random_paged_inputs():
     k = torch.randn(tokens, 4, 128, dtype=torch.bfloat16, device=device)
     v = torch.randn(tokens, 4, 128, dtype=torch.bfloat16, device=device)
     sdpa, fi = SdpaAttention(caches[0]), FlashInferAttention(caches[1], config, device)
-    sdpa.begin(build_metadata(rows, bl, device))
-    fi.begin(build_metadata(rows, bl, device, dense=False))
+    sdpa.begin(build_metadata(Segments.of_rows(rows), bl, device))
+    fi.begin(build_metadata(Segments.of_rows(rows), bl, device, dense=False))
     want, got = sdpa.forward(0, q, k, v).float(), fi.forward(0, q, k, v).float()
     assert (want - got).abs().max().item() < 2e-2
     assert torch.equal(caches[0].k, caches[1].k)

@@ -124,10 +124,10 @@ def test_step_state_is_written_only_on_admission_and_block_entry(llm, monkeypatc
     writes = []
     original = state.refresh
 
-    def counting_refresh(requests):
-        before = list(state.owner)
-        original(requests)
-        writes.append(sum(a != b for a, b in zip(before, state.owner)))
+    def counting_refresh(requests, slots, owners):
+        before = state.owner.copy()
+        original(requests, slots, owners)
+        writes.append(int((before != state.owner).any(axis=1).sum()))
 
     monkeypatch.setattr(state, "refresh", counting_refresh)
     [result] = check_parity(llm, prompts(llm, [5]), [SamplingParams(max_new_tokens=3 * BL, ignore_eos=True)])
@@ -380,10 +380,38 @@ def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm,
 
 def test_flashinfer_segments_plan_each_query_block_over_its_prefix_pages():
     """A row of n query blocks from block f is n segments; segment f+i attends pages 0..f+i."""
-    from fluxlab.engine.layers.attention_flashinfer import segments
+    from fluxlab.engine.layers.attention_flashinfer import plan_indices
+    from fluxlab.engine.layers.segments import Segments
 
-    qo, kv_indptr, kv_indices = segments([(2, 1, [7, 8, 9]), (0, 2, [4, 5]), (1, 2, [1, 2, 3])], 16)
+    rows = [(2, 1, [7, 8, 9]), (0, 2, [4, 5]), (1, 2, [1, 2, 3])]
+    qo, kv_indptr, kv_indices = plan_indices(Segments.of_rows(rows), 16)
     assert qo.tolist() == [0, 16, 32, 48, 64, 80]
     assert kv_indptr.tolist() == [0, 3, 4, 6, 8, 11]
     assert kv_indices.tolist() == [7, 8, 9, 4, 4, 5, 1, 2, 1, 2, 3]
     assert qo.dtype == kv_indptr.dtype == kv_indices.dtype == np.int32
+
+
+def test_extend_gives_the_pages_one_allocate_per_request_gives():
+    """Schedule grows the running rows' tables in one call: the same pages, in row order, and the
+    seats' mirror as allocate writes it."""
+    from fluxlab.engine.block_manager import BlockManager
+    from fluxlab.engine.sequence import Request
+
+    def setup():
+        manager = BlockManager(12, enable_prefix_cache=True, num_seats=3, max_blocks_per_seq=6)
+        requests = [Request(f"r{i}", list(range(1, 2 + 5 * i)), SamplingParams(max_new_tokens=16), 4, 0, (99,))
+                    for i in range(3)]
+        for seat, request in enumerate(requests):
+            request.slot = seat
+            manager.allocate(request, 1 + seat)
+        return manager, requests
+
+    one, by_row = setup()
+    batched, rows = setup()
+    want = [3, 4, 5]
+    for request, n in zip(by_row, want):
+        one.allocate(request, n)
+    batched.extend(rows, want)
+    assert [r.page_table for r in rows] == [r.page_table for r in by_row]
+    assert np.array_equal(batched.seat_pages, one.seat_pages)
+    assert np.array_equal(batched.seat_num_pages, one.seat_num_pages) and batched.seat_num_pages.tolist() == want

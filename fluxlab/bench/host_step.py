@@ -1,14 +1,17 @@
 """Host time per engine step on the CPU, the forward stubbed (no GPU needed).
 
     python -m fluxlab.bench.host_step [--batch-sizes 1,16,64] [--policies paged,dynamic] [--steps 96]
+                                      [--plan none|flashinfer]
 
 Runs the real engine step (schedule -> runner.run -> postprocess) on the tiny model with the model
 body and the logits head replaced by stubs: the body returns a zero hidden state, the greedy head
 returns a fixed token with precomputed pseudo-random confidences (so the threshold decoder accepts
 its scheduled k per step, as random weights do on the GPU). What remains is the host path the GPU
 waits for between graph replays: schedule, prepare, the host half of execute (index math, upload)
-up to the launch, and postprocess after the results. The decode step (decoder ops on CPU tensors;
-on the GPU they queue behind the forward) is reported apart and left out of the host total.
+up to the launch, and postprocess after the results. `--plan flashinfer` adds the host half of
+FlashInfer's plan before the launch (its index tensors, on the host; not the wrapper's own plan
+call, which needs the GPU). The decode step (decoder ops on CPU tensors; on the GPU they queue
+behind the forward) is reported apart and left out of the host total.
 Uses only LLMEngine's public objects, so the same script measures an older fluxlab checkout too.
 """
 from __future__ import annotations
@@ -54,6 +57,27 @@ class NoAttention:
         pass
 
 
+class FlashInferHostPlan:
+    """FlashInfer's host-side plan arrays (what plan() hands the wrapper), without the wrapper: the
+    part of the GPU path's plan that is fluxlab's Python."""
+
+    def __init__(self, block_length: int):
+        self.block_length = block_length
+        self.started_at = self.seconds = 0.0  # the last plan's start and duration
+
+    def begin(self, meta) -> None:
+        from fluxlab.engine.layers import attention_flashinfer
+
+        self.started_at = time.perf_counter()
+        if hasattr(attention_flashinfer, "plan_tensors"):
+            attention_flashinfer.plan_tensors(meta.segments, self.block_length, torch.device("cpu"))
+        else:  # a checkout from before issue 13d plans from per-row page tables
+            qo_indptr, kv_indptr, kv_indices = attention_flashinfer.segments(meta.rows, self.block_length)
+            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(kv_indices)
+            torch.full((len(qo_indptr) - 1,), self.block_length, dtype=torch.int32)
+        self.seconds = time.perf_counter() - self.started_at
+
+
 def timed(owner, name: str, sink: list[float]):
     original = getattr(owner, name)
 
@@ -67,7 +91,7 @@ def timed(owner, name: str, sink: list[float]):
     setattr(owner, name, wrapper)
 
 
-def measure(policy: str, batch: int, steps: int, block: int, decoding_steps: int) -> dict:
+def measure(policy: str, batch: int, steps: int, block: int, decoding_steps: int, plan: str = "none") -> dict:
     from fluxlab.bench.roofline import gsm8k_prompts
     from fluxlab.llm import LLM
 
@@ -79,7 +103,7 @@ def measure(policy: str, batch: int, steps: int, block: int, decoding_steps: int
     runner = engine.runner
     runner.model = StubModel(engine.model, token_id=engine.eos_id + 1 if engine.eos_id + 1 != engine.mask_id else 1)
     runner.backend = "stub"  # no dense sdpa metadata: on the GPU a graph replays instead
-    runner.attention = NoAttention()
+    runner.attention = FlashInferHostPlan(block) if plan == "flashinfer" else NoAttention()
     sinks = {"schedule": [], "prepare": [], "postprocess": []}
     timed(engine.scheduler, "schedule", sinks["schedule"])
     timed(runner, "prepare", sinks["prepare"])
@@ -101,12 +125,15 @@ def measure(policy: str, batch: int, steps: int, block: int, decoding_steps: int
         engine.step()
         t1 = time.perf_counter()
         step_s.append(t1 - t0)
-        launch_s.append(runner.launched_at - t0)
-        decode_s.append(runner.results_at - runner.launched_at)
+        late_plan = 0.0  # a checkout that stamps the launch before the plan: the plan is host time
+        if plan == "flashinfer" and runner.attention.started_at >= runner.launched_at:
+            late_plan = runner.attention.seconds
+        launch_s.append(runner.launched_at - t0 + late_plan)
+        decode_s.append(runner.results_at - runner.launched_at - late_plan)
         after_s.append(t1 - runner.results_at)
     engine.shutdown()
     us = lambda values: 1e6 * statistics.mean(values)  # noqa: E731  (mean: block commits are part of the cost)
-    row = {"policy": policy, "batch": batch, "steps": steps,
+    row = {"policy": policy, "batch": batch, "steps": steps, "plan": plan,
            "schedule_us": us(sinks["schedule"]), "prepare_us": us(sinks["prepare"]),
            "launch_us": us(launch_s), "decode_us": us(decode_s), "postprocess_us": us(sinks["postprocess"]),
            "after_results_us": us(after_s), "step_us": us(step_s)}
@@ -125,13 +152,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="timed steady decode steps per run")
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--decoding-steps", type=int, default=8)
+    ap.add_argument("--plan", choices=["none", "flashinfer"], default="none",
+                    help="flashinfer: the stub attention builds FlashInfer's host plan arrays each forward")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_step.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for policy in args.policies.split(","):
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            row = measure(policy, batch, args.steps, args.block, args.decoding_steps)
+            row = measure(policy, batch, args.steps, args.block, args.decoding_steps, args.plan)
             rows.append(row)
             print(f"host_step {policy} bs={batch}: host {row['host_us']:.0f} us/step", flush=True)
     print("\n| policy | batch | schedule µs | prepare µs | to launch µs | postprocess µs | after results µs "

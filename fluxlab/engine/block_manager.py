@@ -121,11 +121,10 @@ class BlockManager:
         switches to the cached page and its own page is freed, so the chain stays whole."""
         if not self.enable_prefix_cache or first >= end:
             return
-        table = request.page_table
+        table, tokens, bl = request.page_table, request.tokens, request.block_length
         parent = self.page_entry[table[first - 1]].serial if first else 0
         for block in range(first, end):
-            start, stop = request.block_range(block)
-            key = (parent, request.tokens[start:stop].tobytes())
+            key = (parent, tokens[block * bl:(block + 1) * bl].tobytes())
             entry = self.cached.get(key)
             if entry is None:
                 entry = CachedBlock(key, next(self._serials), table[block])
@@ -136,7 +135,8 @@ class BlockManager:
                 self._ref(entry)
                 self.free_pages.append(table[block])
                 table[block] = entry.page
-                self._mirror(request, block)
+                if request.slot is not None and self.seat_pages.shape[0]:
+                    self.seat_pages[request.slot, block] = entry.page
             parent = entry.serial
 
     def _ref(self, entry: CachedBlock) -> None:
@@ -186,6 +186,26 @@ class BlockManager:
         while len(request.page_table) < num_blocks:
             request.page_table.append(self._take_page())
         self._mirror(request, start)
+
+    def extend(self, requests: list[Request], num_blocks: list[int]) -> None:
+        """Seated requests' tables grow to num_blocks[i] pages each, in order (the pages one
+        allocate() per request would give); the caller has checked that the pages are there. A
+        subclass with its own allocate rule (canvas_pages.py: sliding rings) gets its allocate."""
+        if type(self).allocate is not BlockManager.allocate:
+            for request, n in zip(requests, num_blocks):
+                self.allocate(request, n)
+            return
+        seats, columns, pages = [], [], []
+        for request, n in zip(requests, num_blocks):
+            table = request.page_table
+            for column in range(len(table), n):
+                table.append(self._take_page())
+                seats.append(request.slot)
+                columns.append(column)
+                pages.append(table[-1])
+        if self.seat_pages.shape[0]:
+            self.seat_pages[seats, columns] = pages
+            self.seat_num_pages[[r.slot for r in requests]] = [len(r.page_table) for r in requests]
 
     def free(self, request: Request) -> None:
         if self.layout == "dense":

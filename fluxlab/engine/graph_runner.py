@@ -11,26 +11,27 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from fluxlab.engine.layers.attention import AttentionMetadata
+from fluxlab.engine.layers.segments import Segments
 
 log = logging.getLogger("fluxlab.engine")
 
-Rows = list[tuple[int, int, list[int]]]
 
-
-def plan_chunks(row_segments: list[int], sizes: list[int], mode: str) -> Optional[list[tuple[int, int]]]:
+def plan_chunks(row_segments: Sequence[int], sizes: list[int], mode: str) -> Optional[list[tuple[int, int]]]:
     """(number of rows, captured size) chunks that cover the rows in order, or None (run eagerly).
     padded: one chunk, the smallest size that holds the batch; decomposed: chunks of the largest
     size the remaining segments fill (rows are never split), the last one padded."""
-    total = sum(row_segments)
     if mode == "padded":
+        total = int(np.sum(row_segments))
         if total > sizes[-1]:
             return None
         return [(len(row_segments), next(s for s in sizes if s >= total))]
+    row_segments = [int(n) for n in row_segments]
     chunks, start = [], 0
     while start < len(row_segments):
         remaining = sum(row_segments[start:])
@@ -58,9 +59,9 @@ class CapturedForward:
         self.scratch_slots = runner.scratch_slots.repeat(segments)
         self.slots = self.scratch_slots.clone()
         self.attention = runner._make_backend(runner.backend, graph_segments=segments)
-        self.attention.meta = AttentionMetadata(self.slots, [])
-        self.scratch_rows: Rows = [(0, 1, [runner.scratch_page])] * segments
-        self.attention.plan(self.scratch_rows)
+        self.attention.meta = AttentionMetadata(self.slots, None)  # planned before each replay
+        self.scratch_page = runner.scratch_page
+        self.attention.plan(Segments.scratch(segments, self.scratch_page))
         model = runner.model
         for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
             model(self.input_ids, self.positions, self.attention)
@@ -69,17 +70,19 @@ class CapturedForward:
         with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = model(self.input_ids, self.positions, self.attention)
 
-    def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows,
-               num_segments: int) -> torch.Tensor:
+    def load(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, segments: Segments) -> None:
+        """Inputs in place and the attention plan of the next replay."""
         n = ids.shape[0]
         self.input_ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
         if n < self.slots.shape[0]:
             self.slots[n:].copy_(self.scratch_slots[n:])  # padding writes K/V only to the scratch page
-        self.attention.plan(rows + self.scratch_rows[:self.segments - num_segments])
+        self.attention.plan(segments.padded(self.segments - segments.num_segments, self.scratch_page))
+
+    def replay(self, num_tokens: int) -> torch.Tensor:
         self.graph.replay()
-        return self.hidden[:n]
+        return self.hidden[:num_tokens]
 
 
 class GraphRunner:
@@ -102,23 +105,26 @@ class GraphRunner:
         log.info("captured %d forward graphs for %s segments (%s) in %.1f s using %.2f GiB", len(self.graphs),
                  self.sizes, mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
 
-    def can_run(self, row_segments: list[int]) -> bool:
-        return plan_chunks(row_segments, self.sizes, self.mode) is not None
+    def can_run(self, segments: Segments) -> bool:
+        return plan_chunks(segments.row_segments, self.sizes, self.mode) is not None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, segments: Segments
+            ) -> torch.Tensor:
         """hidden [T, H] of the batch (every row must be `can_run`)."""
         bl = self.runner.block_length
-        row_segments = [n for _, n, _ in rows]
-        chunks = plan_chunks(row_segments, self.sizes, self.mode)
+        chunks = plan_chunks(segments.row_segments, self.sizes, self.mode)
         self.num_replays += 1
-        if len(chunks) == 1:
-            return self.graphs[chunks[0][1]].replay(ids, positions, slots, rows, sum(row_segments))
         parts, row, tok = [], 0, 0
         for taken, size in chunks:
-            segs = sum(row_segments[row:row + taken])
-            n = segs * bl
-            hidden = self.graphs[size].replay(ids[tok:tok + n], positions[tok:tok + n], slots[tok:tok + n],
-                                              rows[row:row + taken], segs)
+            chunk = segments if len(chunks) == 1 else segments.rows_range(row, row + taken)
+            n = chunk.num_segments * bl
+            graph = self.graphs[size]
+            graph.load(ids[tok:tok + n], positions[tok:tok + n], slots[tok:tok + n], chunk)
+            if not parts:  # the GPU waits for the first plan; later chunks plan while it runs
+                self.runner.launched_at = time.perf_counter()
+            hidden = graph.replay(n)
+            if len(chunks) == 1:
+                return hidden
             parts.append(hidden.clone())  # graphs share one pool: copy out before the next replay
             row, tok = row + taken, tok + n
         return torch.cat(parts)

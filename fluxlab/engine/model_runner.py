@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from fluxlab.engine.decoding.sampling import filtered_probs
 from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.moe import check_routing_blocks
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
+from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.step_state import StepState
@@ -30,23 +31,55 @@ log = logging.getLogger("fluxlab.engine")
 
 @dataclass
 class StepInputs:
-    """One forward's inputs as host arrays: flattened tokens and positions, per row (first_block,
-    num_blocks, decodes, page_table), and the flat token indices whose logits are needed, the first
-    num_greedy of them greedy positions (argmax + probability only; under TP no full logits cross
-    ranks for them). `seats`: each row's (request.slot, request.serial), so TP workers keep a
-    seat's page table and tokens and are sent only what changed (None: rows of no seat)."""
+    """One forward's inputs as host arrays: flattened tokens and positions, the query segments the
+    attention backend plans (layers/segments.py), and the flat token indices whose logits are
+    needed, the first num_greedy of them greedy positions (argmax + probability only; under TP no
+    full logits cross ranks for them). `rows`: (first_block, num_blocks, decodes, page_table) per
+    row, what the TP step channel sends (built only under TP; without `segments` they are planned
+    from it). `seats`: each row's (request.slot, request.serial), so TP workers keep a seat's page
+    table and tokens and are sent only what changed (None: rows of no seat)."""
 
     token_ids: np.ndarray
     positions: np.ndarray
-    rows: list[tuple[int, int, bool, list[int]]]
+    rows: Optional[list[tuple[int, int, bool, Sequence[int]]]]
     logit_index: np.ndarray
     num_greedy: int = 0
     seats: Optional[list[tuple[int, int]]] = None  # (seat, request serial) per row: TP workers' state keys
-    pages: Optional[np.ndarray] = None  # [num_segments] the page of each query block (None: from rows)
+    segments: Optional[Segments] = None  # None: from rows
+
+    def plan_segments(self) -> Segments:
+        if self.segments is None:
+            self.segments = Segments.of_rows([(first, n, table) for first, n, _, table in self.rows])
+        return self.segments
 
     @property
     def num_segments(self) -> int:
-        return sum(n for _, n, _, _ in self.rows)
+        return self.plan_segments().num_segments
+
+
+@dataclass
+class RowArrays:
+    """What prepare derives from a batch's rows alone (not their tokens): reused while the
+    scheduler hands the same rows again (ScheduledBatch.same_rows)."""
+
+    slots: np.ndarray  # the batch's own arrays (checked by identity before a reuse)
+    first_block: np.ndarray
+    block_seat: np.ndarray  # [S] each query block's seat
+    query_block: np.ndarray  # [S] its block in that seat's canvas
+    segments: Segments
+    positions: np.ndarray  # [T]
+    tp_rows: Optional[list] = None  # StepInputs.rows and .seats (TP only)
+    tp_seats: Optional[list] = None
+    # Decoding rows (seat None: none decodes):
+    seat: Optional[np.ndarray] = None  # [R]
+    block_index: Optional[np.ndarray] = None  # [R * bl] flat token index of each active block
+    requests: Optional[list[Request]] = None
+    greedy_if_masked: Optional[np.ndarray] = None  # [R, bl] a greedy logit wherever these hold a mask
+    greedy_always: Optional[np.ndarray] = None  # [R, bl] greedy logits whatever the token (editing decoders)
+    full_rows: Optional[np.ndarray] = None  # [F]
+    full_index: Optional[np.ndarray] = None  # [F * bl] their flat token indices
+    decoders: Optional[list[str]] = None
+    owners: Optional[np.ndarray] = None  # [R, 2] (request serial, active block)
 
 
 @dataclass
@@ -61,6 +94,7 @@ class DecodeInputs:
     full_rows: np.ndarray  # [F] rows with whole-block full logits (temperature > 0 or a needs_logits decoder)
     log_len: np.ndarray  # [R] rows each row's decoder has logged in this block (its host log's length)
     decoders: list[str]  # decoders present in the batch
+    owners: np.ndarray  # [R, 2] (request serial, active block): the step state a seat must hold
 
 
 class ModelRunner:
@@ -94,8 +128,10 @@ class ModelRunner:
         # the host time a step costs the GPU is (launch - step start) + (step end - results).
         self.launched_at = self.results_at = 0.0
         self._staging = torch.empty(0, dtype=torch.long)
+        self._on_cuda = device.type == "cuda"
         self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         self._iota = np.arange(0)  # 0, 1, 2, ...: read-only views instead of a new arange each step
+        self._rows: Optional[RowArrays] = None  # the last batch's, for a batch of the same rows
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
@@ -145,9 +181,41 @@ class ModelRunner:
             self._iota.flags.writeable = False
         return self._iota[:n]
 
+    def _block_rows(self, num_blocks: int) -> np.ndarray:
+        """[num_blocks, bl] the flat indices of blocks 0.. (a view: a row gather beats broadcasting)."""
+        return self._range(num_blocks * self.block_length).reshape(num_blocks, self.block_length)
+
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
         """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
-        index is computed with numpy over the batch's seats (seats.py), no loop over rows."""
+        index is computed with numpy over the batch's seats (seats.py), no loop over rows; what
+        depends on the rows alone is reused while the scheduler hands the same rows again."""
+        bl = self.block_length
+        seats = batch.seats
+        rows = self._rows
+        if not (batch.same_rows and rows is not None and rows.slots is batch.slots
+                and rows.first_block is batch.first_block):
+            rows = self._rows = self._row_arrays(batch)
+        token_ids = seats.blocks[rows.block_seat, rows.query_block].ravel()
+        if rows.seat is None:  # no row decodes (prefill chunks only)
+            return StepInputs(token_ids, rows.positions, rows.tp_rows, np.zeros(0, dtype=np.int64),
+                              seats=rows.tp_seats, segments=rows.segments), None
+        num_rows = rows.seat.shape[0]
+        blocks = (token_ids if batch.single_blocks else token_ids[rows.block_index]).reshape(num_rows, bl)
+        # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
+        # editing decoder.
+        need = rows.greedy_if_masked & (blocks == self.mask_id)
+        if rows.greedy_always is not None:
+            need |= rows.greedy_always
+        greedy_target = need.ravel().nonzero()[0]
+        logit_index = rows.block_index[greedy_target]
+        if rows.full_rows.shape[0]:
+            logit_index = np.concatenate([logit_index, rows.full_index])
+        decode_inputs = DecodeInputs(rows.requests, rows.seat, rows.block_index, greedy_target, rows.full_rows,
+                                     seats.log_len[rows.seat], rows.decoders, rows.owners)
+        return (StepInputs(token_ids, rows.positions, rows.tp_rows, logit_index, len(greedy_target),
+                           seats=rows.tp_seats, segments=rows.segments), decode_inputs)
+
+    def _row_arrays(self, batch: ScheduledBatch) -> "RowArrays":
         bl = self.block_length
         seats = batch.seats
         slots, first, num = batch.slots, batch.first_block, batch.num_blocks
@@ -159,64 +227,58 @@ class ModelRunner:
             # Per query block: its row's seat and its block in that row's canvas.
             block_seat = np.repeat(slots, num)
             query_block = np.repeat(first - block_ends + num, num) + self._range(int(block_ends[-1]))
-        pages = seats.pages[block_seat, query_block]
-        positions = query_block[:, None] * bl + self._block_offsets
-        token_ids = seats.tokens[block_seat[:, None], positions].ravel()
-        positions = positions.ravel()
-        rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(), [r.page_table for r in batch.requests]))
-        # (seat, serial) per row keys the TP workers' state (step_channel.py); one GPU never reads it
-        row_seats = None if self.on_step is None else list(zip(slots.tolist(), [r.serial for r in batch.requests]))
+        # Each query block's request's page table, from the seats' mirror (not the requests' lists)
+        segments = Segments(seats.pages[block_seat], query_block + 1, num)
+        positions = self._block_rows(int(seats.max_blocks))[query_block].ravel()
+        rows = RowArrays(slots, first, block_seat, query_block, segments, positions)
+        if self.on_step is not None:  # TP: the step channel sends rows, keyed by (seat, serial)
+            rows.tp_rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(),
+                                    [r.page_table for r in batch.requests]))
+            rows.tp_seats = list(zip(slots.tolist(), [r.serial for r in batch.requests]))
         if self.routing_block_size:
             # Block routing pools experts per routing block: each must be one request's, aligned
             # (graph padding is whole scratch blocks after the real tokens, so it never mixes in).
             check_routing_blocks(positions, self.routing_block_size, row_starts=(block_ends - num) * bl)
         if batch.single_blocks and slots.shape[0]:  # every row decodes, its block is its whole input
-            num_rows = slots.shape[0]
-            seat, block_index = slots, self._range(num_rows * bl)
-            blocks = token_ids.reshape(num_rows, bl)
+            seat, block_index = slots, self._range(slots.shape[0] * bl)
+            rows.requests = batch.requests
         else:
             decoding_rows = batch.decodes.nonzero()[0]
             if not decoding_rows.shape[0]:
-                return StepInputs(token_ids, positions, rows, np.zeros(0, dtype=np.int64), pages=pages,
-                                  seats=row_seats), None
-            num_rows = decoding_rows.shape[0]
-            seat = slots[decoding_rows]
-            block_index = ((block_ends[decoding_rows] - 1)[:, None] * bl + self._block_offsets).ravel()
-            blocks = token_ids[block_index].reshape(num_rows, bl)
+                return rows
+            # each decoding row's active block is its last query block
+            block_index = self._block_rows(int(block_ends[-1]))[block_ends[decoding_rows] - 1].ravel()
+            if decoding_rows.shape[0] == slots.shape[0]:
+                seat, rows.requests = slots, batch.requests
+            else:
+                seat, rows.requests = slots[decoding_rows], [batch.requests[i] for i in decoding_rows.tolist()]
+        rows.seat, rows.block_index = seat, block_index
         prompt = np.minimum(np.maximum(seats.num_prompt_tokens[seat] - seats.active_block[seat] * bl, 0), bl)
         # Full logits of the whole block: a sampling row (its generator draws for every position)
         # and a decoder that reads more than (argmax, probability), e.g. levenshtein_joint.
         full = seats.full_logits[seat]
-        editable = self._block_offsets >= prompt[:, None]
-        # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
-        # editing decoder.
-        need = editable & (seats.edits[seat][:, None] | (blocks == self.mask_id)) & ~full[:, None]
-        greedy_target = need.ravel().nonzero()[0]
-        full_rows = full.nonzero()[0]
-        logit_index = block_index[greedy_target]
-        if full_rows.shape[0]:
-            logit_index = np.concatenate([logit_index, block_index.reshape(num_rows, bl)[full_rows].ravel()])
-        decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
-        requests = batch.requests if batch.single_blocks else [batch.requests[i] for i in decoding_rows.tolist()]
-        decode_inputs = DecodeInputs(requests, seat, block_index,
-                                     greedy_target, full_rows, seats.log_len[seat], decoders)
-        return (StepInputs(token_ids, positions, rows, logit_index, len(greedy_target), pages=pages,
-                           seats=row_seats), decode_inputs)
+        rows.greedy_if_masked = (self._block_offsets >= prompt[:, None]) & ~full[:, None]
+        edits = seats.edits[seat]
+        if edits.any():
+            rows.greedy_always = rows.greedy_if_masked & edits[:, None]
+        rows.full_rows = full.nonzero()[0]
+        rows.full_index = block_index.reshape(seat.shape[0], bl)[rows.full_rows].ravel()
+        rows.decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
+        rows.owners = np.stack([seats.serial[seat], seats.active_block[seat]], axis=1)
+        return rows
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host->device copy of int64 arrays through a pinned staging buffer."""
         sizes = [a.shape[0] for a in arrays]
+        if not self._on_cuda:  # the tensors are the host arrays themselves: one fresh concatenation
+            return torch.from_numpy(np.concatenate(arrays)).split_with_sizes(sizes)
         total = sum(sizes)
         if self._staging.shape[0] < total:
-            pin = self.device.type == "cuda"
-            self._staging = torch.empty(max(total, 2 * self._staging.shape[0]), dtype=torch.long, pin_memory=pin)
+            self._staging = torch.empty(max(total, 2 * self._staging.shape[0]), dtype=torch.long, pin_memory=True)
             self._staging_np = self._staging.numpy()
         np.concatenate(arrays, out=self._staging_np[:total])
-        if self.device.type == "cuda":
-            # Safe to reuse next step: each step ends on a device->host copy ordered after this one.
-            packed = self._staging[:total].to(self.device, non_blocking=True)
-        else:
-            packed = self._staging[:total].clone()
+        # Safe to reuse next step: each step ends on a device->host copy ordered after this one.
+        packed = self._staging[:total].to(self.device, non_blocking=True)
         return packed.split_with_sizes(sizes)  # no torch.split wrapper: ~2 µs a step
 
     # --- the forward ---
@@ -241,25 +303,22 @@ class ModelRunner:
         logits of the other logit rows [P - num_greedy, V] or None, input ids on the device, `extra`
         uploaded)."""
         bl = self.block_length
-        rows = [(first, n, table) for first, n, _, table in inputs.rows]
-        pages = inputs.pages
-        if pages is None:
-            pages = np.concatenate([np.asarray(table[first:first + n], dtype=np.int64) for first, n, table in rows])
-        slots = (pages[:, None] * bl + self._block_offsets).ravel()
-        ids, pos, slot_mapping, logit_index, *extra_dev = self._upload(
-            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, slots, inputs.logit_index, *extra])
-        segments = [n for _, n, _ in rows]
-        self.launched_at = time.perf_counter()
+        segments = inputs.plan_segments()
+        ids, pos, slots, logit_index, *extra_dev = self._upload(
+            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, segments.slot_mapping(bl),
+             inputs.logit_index, *extra])
+        # launched_at: after the attention plan (host work the GPU waits for), before the forward
         if self.graphs is not None and self.graphs.can_run(segments):
             self.num_graph_forwards += 1
-            hidden = self.graphs.run(ids, pos, slot_mapping, rows)
+            hidden = self.graphs.run(ids, pos, slots, segments)  # sets launched_at between plan and replay
         else:
             self.num_eager_forwards += 1
             if self.backend == "sdpa":
-                meta = build_metadata(rows, bl, self.device, dense=True)
+                meta = build_metadata(segments, bl, self.device, dense=True)
             else:
-                meta = AttentionMetadata(slot_mapping, rows)
+                meta = AttentionMetadata(slots, segments)
             self.attention.begin(meta)
+            self.launched_at = time.perf_counter()
             hidden = self.model(ids, pos, self.attention)
         num_greedy = inputs.num_greedy
         greedy = logits = None
@@ -277,7 +336,7 @@ class ModelRunner:
         bl = self.block_length
         num = len(inputs.requests)
         state_store = self.step_state
-        state_store.refresh(inputs.requests)
+        state_store.refresh(inputs.requests, inputs.slots, inputs.owners)
         block = ids[block_index].view(num, bl)  # the active blocks as the forward read them
         tokens = block.clone().view(-1)
         conf = torch.zeros(num * bl, dtype=torch.float32, device=self.device)
@@ -334,4 +393,4 @@ class ModelRunner:
 
     def invalidate_step_state(self) -> None:
         """After a failed step: rewrite every seat from the host mirror before its next use."""
-        self.step_state.owner = [None] * len(self.step_state.owner)
+        self.step_state.owner[:] = -1

@@ -77,6 +77,9 @@ class ScheduledBatch:
     block_length: int
     seats: Optional[Seats] = None
     single_blocks: bool = False  # every row decodes its active block alone (no commit or prefill blocks)
+    # The previous batch's rows again, on the same blocks and pages (only their tokens changed): the
+    # runner may reuse what it derived from the rows alone (a schedule that reused its rows says so).
+    same_rows: bool = False
 
     @classmethod
     def of_rows(cls, rows: list[ScheduledRow], block_length: int, seats: Optional[Seats] = None) -> "ScheduledBatch":
@@ -129,8 +132,10 @@ class Scheduler:
         self.running: list[Request] = []  # admitted, in arrival order
         self._running_slots: list[int] = []  # their seats, same order
         self._slots_array: Optional[np.ndarray] = None  # _running_slots as an array, until running changes
-        # The last batch, when the next schedule would give the same rows (see postprocess).
+        # The last batch, when the next schedule would give the same rows (see postprocess);
+        # _repeat_same: it is the last batch itself (same blocks too), not its rows' active blocks.
         self._repeat: Optional[ScheduledBatch] = None
+        self._repeat_same = False
         self.num_steps = 0
 
     def add(self, request: Request) -> None:
@@ -191,14 +196,14 @@ class Scheduler:
             return []
         rows = decodes.nonzero()[0]
         seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
-        starts = seats.active_block[seat] * bl
+        active = seats.active_block[seat]
         final = out.final.nonzero()[0]
         if final.shape[0]:
             # A block whose final forward changed none of its tokens got its K/V from that forward,
             # computed over its final tokens: it needs no commit segment in the next forward.
-            written = seats.tokens[seat[final][:, None], starts[final][:, None] + seats.block_offsets]
+            written = seats.blocks[seat[final], active[final]]
             kv_written = ((written == out.blocks[final]).all(axis=1) & self.decode_writes_kv).tolist()
-        seats.tokens[seat[:, None], starts[:, None] + seats.block_offsets] = out.blocks
+        seats.blocks[seat, active] = out.blocks
         seats.forwards[seat] += 1
         seats.tokens_accepted[seat] += out.filled
         seats.tokens_edited[seat] += out.edited
@@ -223,16 +228,17 @@ class Scheduler:
             # needs a new page or lets a waiting request in (paged: not at a barrier).
             if not changed and batch.requests == self.running:
                 if batch.single_blocks:
-                    self._repeat = batch
+                    self._repeat, self._repeat_same = batch, True
                 elif decodes.all():
                     ones = np.ones(slots.shape[0], dtype=np.int64)
                     self._repeat = ScheduledBatch(batch.requests, slots, first + batch.num_blocks - 1, ones,
                                                   decodes, bl, seats, single_blocks=True)
+                    self._repeat_same = False
             return outputs
         # The seats move on to their next block (counters, decoder state zero at block entry) ...
-        seat = seat[final]
-        committed = seats.active_block[seat].tolist()
-        seats.active_block[seat] += 1
+        seat, committed = seat[final], active[final]
+        seats.active_block[seat] = committed + 1
+        committed = committed.tolist()
         for array in (seats.forwards_in_block, seats.state, seats.columns, seats.log_len):
             array[seat] = 0
         work = [getattr(seats, name)[seat].tolist() for name in UNFOLDED]
@@ -282,7 +288,8 @@ class Scheduler:
                                    or len(self.running) >= self.max_num_seqs):
             self.seats.last_scheduled_step[repeat.slots] = self.num_steps
             return ScheduledBatch(repeat.requests, repeat.slots, repeat.first_block, repeat.num_blocks,
-                                  repeat.decodes, self.block_length, self.seats, single_blocks=True)
+                                  repeat.decodes, self.block_length, self.seats, single_blocks=True,
+                                  same_rows=self._repeat_same)
         total_blocks = self.max_scheduled_tokens // self.block_length
         running = self._place_running(total_blocks)
         if running is None:
@@ -366,9 +373,9 @@ class Scheduler:
         if total_missing > manager.num_free_pages:
             return None
         requests = [self.running[i] for i in candidates.tolist()]
-        if total_missing:
-            for i in missing.nonzero()[0].tolist():  # in row order: the pages the sequential rule gives
-                manager.allocate(requests[i], int(first[i] + num[i]))
+        if total_missing:  # in row order: the pages the sequential rule gives
+            short = missing.nonzero()[0]
+            manager.extend([requests[i] for i in short.tolist()], (first + num)[short].tolist())
         return requests, slots, first, num, decodes, barrier, single
 
     def _place_running_one_by_one(self, total_blocks: int):

@@ -10,7 +10,7 @@ are copied back into the request, so a preempted request resumes with the same v
 Only the scheduler writes these arrays (its postprocess, and admission / preemption in schedule);
 tests/test_step_pipeline.py checks that a step's forward leaves them untouched. The page tables'
 mirror (`pages`) belongs to the block manager, which writes it as it hands out pages; the runner
-reads it to build slot mappings.
+reads it to build slot mappings and the attention plan (layers/segments.py).
 """
 from __future__ import annotations
 
@@ -30,13 +30,15 @@ UNFOLDED = ("forwards", "tokens_accepted", "tokens_edited")
 class Seats:
     def __init__(self, num_seats: int, max_blocks: int, block_length: int, pages: np.ndarray):
         self.block_length = block_length
-        self.block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         self.max_blocks = max_blocks
         self.state_names = sorted({s for d in DECODERS.values() for s in d.state})
         self.column_names = sorted({c for d in DECODERS.values() for c in d.columns})
         self.decoder_names = list(DECODERS)
         self.requests: list[Optional[Request]] = [None] * num_seats
+        self.serial = np.full(num_seats, -1, dtype=np.int64)  # the seated request's serial
         self.tokens = np.zeros((num_seats, max_blocks * block_length), dtype=np.int64)  # the canvas
+        # The same memory by block: [seat, block] indexes whole blocks (4x faster than [seat, positions])
+        self.blocks = self.tokens.reshape(num_seats, max_blocks, block_length)
         for name in PROGRESS + UNFOLDED:
             setattr(self, name, np.zeros(num_seats, dtype=np.int64))
         self.decoding = np.zeros(num_seats, dtype=bool)  # state is DECODING (its last row decoded)
@@ -76,6 +78,7 @@ class Seats:
         self.edits[seat] = decoder.edits
         self.full_logits[seat] = request.params.temperature > 0 or decoder.needs_logits
         self.requests[seat] = request
+        self.serial[seat] = request.serial
         request.seat_in(self, seat)
 
     def detach(self, request: Request) -> None:

@@ -41,23 +41,27 @@ class StepState:
         self._state_col = self._prompt_col + 1
         self.columns = torch.zeros(num_slots, len(self.column_names), block_length, dtype=torch.long, device=device)
         self.history = torch.zeros(num_slots, 0, block_length, dtype=torch.long, device=device)
-        self.owner: list[Optional[tuple[int, int]]] = [None] * num_slots  # (request serial, active block)
+        # (request serial, active block) each seat was last written for; -1: never, or invalidated
+        self.owner = np.full((num_slots, 2), -1, dtype=np.int64)
 
-    def refresh(self, requests: list[Request]) -> None:
+    def refresh(self, requests: list[Request], slots: np.ndarray, owners: np.ndarray) -> None:
         """Write the seats whose owner or block changed since their last write (admission, block
-        entry, a preempted request back in a new seat); the others are already right."""
-        stale = [r for r in requests if self.owner[r.slot] != (r.serial, r.active_block)]
-        if not stale:
+        entry, a preempted request back in a new seat); the others are already right. owners:
+        [R, 2] each row's (request serial, active block), found without a loop over rows."""
+        stale_rows = np.flatnonzero((self.owner[slots] != owners).any(axis=1))
+        if not stale_rows.shape[0]:
             return
+        stale = [requests[i] for i in stale_rows.tolist()]
         floats = np.array([[getattr(r.params, k) for k in self.float_knobs] for r in stale], dtype=np.float32)
         states = [r.decoder_state for r in stale]  # one read each: a seated request builds it from its seat
         ints = np.array([[getattr(r.params, k) for k in self.int_knobs]
                          + [self.decoder_index[r.params.decoder], r.prompt_positions_in_active_block()]
                          + [state.get(s, 0) for s in self.state_names] for r, state in zip(stale, states)],
                         dtype=np.int64)
-        slots = torch.tensor([r.slot for r in stale], dtype=torch.long).to(self.device, non_blocking=True)
-        self.floats.index_copy_(0, slots, torch.from_numpy(floats).to(self.device, non_blocking=True))
-        self.ints.index_copy_(0, slots, torch.from_numpy(ints).to(self.device, non_blocking=True))
+        stale_slots = slots[stale_rows]
+        seat_index = torch.from_numpy(stale_slots).to(self.device, non_blocking=True)
+        self.floats.index_copy_(0, seat_index, torch.from_numpy(floats).to(self.device, non_blocking=True))
+        self.ints.index_copy_(0, seat_index, torch.from_numpy(ints).to(self.device, non_blocking=True))
         if self.column_names:
             bl = self.columns.shape[2]
             columns = np.zeros((len(stale), len(self.column_names), bl), dtype=np.int64)
@@ -66,13 +70,13 @@ class StepState:
                 for j, name in enumerate(self.column_names):
                     if name in held:
                         columns[i, j] = held[name]
-            self.columns.index_copy_(0, slots, torch.from_numpy(columns).to(self.device, non_blocking=True))
+            self.columns.index_copy_(0, seat_index, torch.from_numpy(columns).to(self.device, non_blocking=True))
         for r in stale:
             # rows past a seat's log length are never read, so only logged rows need writing
             if r.decoder_log:
                 self._reserve_history(len(r.decoder_log))
                 self.history[r.slot, :len(r.decoder_log)] = torch.from_numpy(np.stack(r.decoder_log)).to(self.device)
-            self.owner[r.slot] = (r.serial, r.active_block)
+        self.owner[stale_slots] = owners[stale_rows]
 
     def gather(self, slots: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor,
                                                   dict[str, torch.Tensor]]:

@@ -99,6 +99,10 @@ class DataParallelPages:
             self.holders[self.managers.index(manager)] += 1
         manager.allocate(request, num_blocks, hits)
 
+    def extend(self, requests: list[Request], num_blocks: list[int]) -> None:
+        for request, n in zip(requests, num_blocks):  # each on its own rank's pool
+            self.allocate(request, n)
+
     def cache_blocks(self, request: Request, first: int, end: int) -> None:
         self._manager(request).cache_blocks(request, first, end)
 

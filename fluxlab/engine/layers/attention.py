@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from fluxlab.engine.layers.segments import Segments
 
 
 @dataclass
@@ -20,7 +23,7 @@ class AttentionMetadata:
     """Per-forward tensors on the engine's device, built once and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] cache slot (page * block_length + offset) of each query token
-    rows: list[tuple[int, int, list[int]]]  # host shape: (first_block, num_blocks, page_table) per row
+    segments: Optional[Segments]  # host shape: the query blocks the backend plans (None: planned already)
     # sdpa only (dense padded view of the batch):
     page_indices: Optional[torch.Tensor] = None  # [R, P] pages of each row's window (padded with page 0)
     query_gather: Optional[torch.Tensor] = None  # [R, Q] index into the flat query tokens (padding -> 0)
@@ -28,32 +31,26 @@ class AttentionMetadata:
     mask: Optional[torch.Tensor] = None  # [R, 1, Q, P * block_length] True = may attend
 
 
-def slot_mapping(rows: list[tuple[int, int, list[int]]], block_length: int) -> torch.Tensor:
-    pages = torch.tensor([p for first, n, table in rows for p in table[first:first + n]], dtype=torch.long)
-    return (pages[:, None] * block_length + torch.arange(block_length)).flatten()
-
-
-def build_metadata(rows: list[tuple[int, int, list[int]]], block_length: int, device: torch.device,
+def build_metadata(segments: Segments, block_length: int, device: torch.device,
                    dense: bool = True) -> AttentionMetadata:
-    """rows: (first_block, num_blocks, page_table) per row, in batch order. `dense` adds the padded
-    gather/mask tensors the sdpa backend needs."""
-    meta = AttentionMetadata(slot_mapping(rows, block_length).to(device, non_blocking=True), rows)
+    """`dense` adds the padded gather/mask tensors the sdpa backend needs (one padded row per row)."""
+    meta = AttentionMetadata(torch.from_numpy(segments.slot_mapping(block_length)).to(device, non_blocking=True),
+                             segments)
     if not dense:
         return meta
     bl = block_length
-    num_rows = len(rows)
-    q_lens = torch.tensor([n * bl for _, n, _ in rows])
-    windows = torch.tensor([first + n for first, n, _ in rows])
+    first, window, tables = segments.row_view()
+    num_rows = first.shape[0]
+    q_lens = torch.from_numpy(segments.row_segments * bl)
+    windows = torch.from_numpy(window)
     max_q, max_pages = int(q_lens.max()), int(windows.max())
-    page_idx = torch.zeros(num_rows, max_pages, dtype=torch.long)
-    for r, (first, n, table) in enumerate(rows):
-        page_idx[r, :first + n] = torch.tensor(table[:first + n])
+    page_idx = torch.from_numpy(np.where(np.arange(max_pages) < window[:, None], tables[:, :max_pages], 0))
     q_offsets = torch.cumsum(q_lens, 0) - q_lens
     q_pos = torch.arange(max_q)[None, :]
     q_valid = q_pos < q_lens[:, None]
     gather = torch.where(q_valid, q_offsets[:, None] + q_pos, 0)
     scatter = (torch.arange(num_rows)[:, None] * max_q + q_pos)[q_valid]
-    first_block = torch.tensor([first for first, _, _ in rows])
+    first_block = torch.from_numpy(first)
     q_block = torch.where(q_valid, first_block[:, None] + q_pos // bl, -1)
     key = torch.arange(max_pages * bl)[None, None, :]
     mask = ((key // bl) <= q_block[:, :, None]) & (key < (windows * bl)[:, None, None])

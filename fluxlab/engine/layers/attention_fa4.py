@@ -18,24 +18,20 @@ import numpy as np
 import torch
 
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
+from fluxlab.engine.layers.segments import Segments
 
 
-def segment_tables(rows: list[tuple[int, int, list[int]]], width: int, fill_page: int = 0
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def segment_tables(segments: Segments, width: int, fill_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Host (page_table [S, width] int32, pages_used [S] int32): one segment per query block, over
     pages 0..block. Entries past a segment's pages hold `fill_page`: FA4 may load whole key tiles
     past seqused_k (masked, but a NaN row would still poison P @ V), so they must be a real page."""
-    num_segments = sum(n for _, n, _ in rows)
-    table = np.full((num_segments, width), fill_page, dtype=np.int32)
-    used = np.empty(num_segments, dtype=np.int32)
-    s = 0
-    for first, n, pages in rows:
-        window = np.asarray(pages[:first + n], dtype=np.int32)
-        for block in range(first, first + n):
-            table[s, :block + 1] = window[:block + 1]
-            used[s] = block + 1
-            s += 1
-    return table, used
+    windows = segments.windows
+    if windows.shape[0] and int(windows.max()) > width:
+        raise ValueError(f"a segment attends to {int(windows.max())} pages, past the table width {width}")
+    held = min(width, segments.tables.shape[1])
+    table = np.full((windows.shape[0], width), fill_page, dtype=np.int32)
+    table[:, :held] = np.where(np.arange(held) < windows[:, None], segments.tables[:, :held], fill_page)
+    return table, windows.astype(np.int32)
 
 
 class Fa4Attention:
@@ -58,22 +54,26 @@ class Fa4Attention:
             self.seqused_k = torch.full((graph_segments,), self.block_length, dtype=torch.int32, device=device)
         self.meta: Optional[AttentionMetadata] = None
 
-    def plan(self, rows: list[tuple[int, int, list[int]]]) -> None:
+    def plan(self, segments: Segments) -> None:
         """Host-side tables of the next forward (outside any CUDA graph)."""
-        width = self.max_pages if self.graph_segments else max(first + n for first, n, _ in rows)
-        table, used = segment_tables(rows, width)
-        tokens = torch.from_numpy(used * self.block_length)
+        width = self.max_pages if self.graph_segments else int(segments.windows.max())
+        # (host tables, kept with the segments: a batch of the same rows plans from them again)
+        table, tokens = segments.memo(("fa4", width, self.block_length), lambda: self._plan_tensors(segments, width))
         if self.graph_segments:
             assert table.shape[0] == self.graph_segments, (table.shape, self.graph_segments)
-            self.page_table.copy_(torch.from_numpy(table), non_blocking=True)
+            self.page_table.copy_(table, non_blocking=True)
             self.seqused_k.copy_(tokens, non_blocking=True)
         else:
-            self.page_table = torch.from_numpy(table).to(self.device, non_blocking=True)
+            self.page_table = table.to(self.device, non_blocking=True)
             self.seqused_k = tokens.to(self.device, non_blocking=True)
+
+    def _plan_tensors(self, segments: Segments, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table, used = segment_tables(segments, width)
+        return torch.from_numpy(table), torch.from_numpy(used * self.block_length)
 
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
-        self.plan(meta.rows)
+        self.plan(meta.segments)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)

@@ -7,13 +7,13 @@ written to its page before attention (the same contract as the sdpa backend).
 """
 from __future__ import annotations
 
-from itertools import chain
 from typing import Optional
 
 import numpy as np
 import torch
 
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
+from fluxlab.engine.layers.segments import Segments
 
 WORKSPACE_BYTES = 256 * 2**20
 INT_WORKSPACE_BYTES = 8 * 2**20  # FlashInfer's own default for the plan's int buffer
@@ -29,18 +29,32 @@ class SharedWorkspace:
         self.int_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def segments(meta_rows: list[tuple[int, int, list[int]]], block_length: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host CSR arrays for FlashInfer: one segment per query block, kv = pages 0..block."""
-    windows = [w for first, n, _ in meta_rows for w in range(first + 1, first + n + 1)]
-    kv_indptr = np.zeros(len(windows) + 1, dtype=np.int32)
+def plan_indices(segments: Segments, block_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host CSR arrays for FlashInfer (int32): qo_indptr (block_length queries a segment), kv_indptr
+    and kv_indices (each segment's pages 0 .. its block, segments in order)."""
+    windows = segments.windows
+    kv_indptr = np.zeros(windows.shape[0] + 1, dtype=np.int32)
     np.cumsum(windows, out=kv_indptr[1:])
-    # One pass over the page lists (an array per segment cost ~2x more host time at 64 rows).
-    kv_indices = np.fromiter(chain.from_iterable(pages[:w] for first, n, pages in meta_rows
-                                                 for w in range(first + 1, first + n + 1)),
-                             dtype=np.int32, count=int(kv_indptr[-1]))
-    qo_indptr = np.arange(len(windows) + 1, dtype=np.int32) * block_length
+    width = int(windows.max(initial=0))
+    # Row-major boolean selection keeps each segment's pages in order, segment after segment.
+    inside = np.arange(width) < windows[:, None]
+    kv_indices = segments.tables[:, :width][inside].astype(np.int32)
+    qo_indptr = np.arange(windows.shape[0] + 1, dtype=np.int32) * block_length
     return qo_indptr, kv_indptr, kv_indices
+
+
+def plan_tensors(segments: Segments, block_length: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """plan()'s arguments (qo_indptr, kv_indptr on the host, kv_indices on `device`, last page
+    lengths), kept with the segments: a batch of the same rows plans from them again."""
+
+    def build():
+        qo_indptr, kv_indptr, kv_indices = plan_indices(segments, block_length)
+        return (torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
+                torch.from_numpy(kv_indices).to(device, non_blocking=True),
+                torch.full((segments.num_segments,), block_length, dtype=torch.int32))
+
+    return segments.memo(("flashinfer", block_length, device), build)
 
 
 class FlashInferAttention:
@@ -73,22 +87,18 @@ class FlashInferAttention:
         self.wrapper.reset_workspace_buffer(self.workspace.float_buffer, self.workspace.int_buffer)
         self.meta: Optional[AttentionMetadata] = None
 
-    def plan(self, rows: list[tuple[int, int, list[int]]]) -> None:
+    def plan(self, segments: Segments) -> None:
         """Host-side scheduling of the next forward (outside any CUDA graph)."""
-        qo_indptr, kv_indptr, kv_indices = segments(rows, self.block_length)
-        num_segments = len(qo_indptr) - 1
-        i32 = dict(dtype=torch.int32)
+        qo_indptr, kv_indptr, kv_indices, last_page_len = plan_tensors(segments, self.block_length, self.device)
         self.wrapper.plan(
-            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
-            torch.from_numpy(kv_indices).to(self.device, non_blocking=True),
-            torch.full((num_segments,), self.block_length, **i32),
+            qo_indptr, kv_indptr, kv_indices, last_page_len,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_length,
             causal=False, sm_scale=self.head_dim ** -0.5,
             q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
 
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
-        self.plan(meta.rows)
+        self.plan(meta.segments)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
