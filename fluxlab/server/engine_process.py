@@ -148,6 +148,7 @@ class EngineProcess:
             pass
         if not self._stopped.is_set():
             unexpected = not self._stopping
+            self._process.join(5)  # the pipe closes before the child is reaped: wait for its exit code
             self._die(self.error or f"the engine process exited (exit code {self._process.exitcode})",
                       fatal=unexpected)
 
@@ -206,13 +207,17 @@ class _PipeCommands:
 
     def __init__(self, conn: Any, events: list):
         self.conn, self.events = conn, events
+        self.server_gone = False
 
     def get(self, timeout: Optional[float] = None) -> tuple:
+        if self.server_gone:  # after the one stop it became: nothing more will come
+            raise queue.Empty
         try:
             if not self.conn.poll(timeout):
                 raise queue.Empty
             command = self.conn.recv()
         except (EOFError, OSError):  # the server process is gone: stop
+            self.server_gone = True
             return ("stop",)
         if command[0] == "add":
             return (*command, _RemoteStream(command[1], self.events))
