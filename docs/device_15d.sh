@@ -27,24 +27,6 @@ echo "B exit $?"
 grep -E "Traceback|Error|captured|KV profile|engine ready" "$OUT/canvas_bench_15d.log" | cut -c1-240 | head -30
 
 t "table"
-OUT="$OUT" python3 - <<'PY'
-import json, os
-path = os.path.join(os.environ["OUT"], "canvas_bench_15d.json")
-try:
-    results = json.load(open(path))
-except Exception as err:  # the bench died before writing its first mode
-    raise SystemExit(f"no bench JSON ({err})")
-print(f"{'graphs':>6} {'batch':>5} {'step ms':>9} {'fwd ms':>9} {'commit ms':>9} {'commit+step':>11}"
-      "   (step = forward + sampler; commit alone is eager)")
-for mode, r in results.items():
-    if "error" in r:
-        print(f"{mode:>6} failed: {r['error'][:200]}")
-    for f in r.get("forwards", []):
-        print(f"{mode:>6} {f['batch']:>5} {f['denoise_ms']:>9.1f} {f['denoise_forward_ms']:>9.1f} {f['commit_ms']:>9.1f}"
-              f" {f.get('commit_denoise_ms', float('nan')):>11.1f}")
-print(f"{'graphs':>6} {'conc':>5} {'tok/s':>9} {'TPF':>6} {'graph fwd':>9}")
-for mode, r in results.items():
-    for f in r.get("served", []):
-        print(f"{mode:>6} {f['concurrency']:>5} {f['tok_per_s']:>9.1f} {f['tpf']:>6.2f} {f['graph_forwards']:>9}")
-PY
+python3 -c "import json, sys; from fluxlab.bench.canvas import print_table; print_table(json.load(open(sys.argv[1])))" \
+  "$OUT/canvas_bench_15d.json" 2>&1 | tail -20
 t done

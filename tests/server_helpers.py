@@ -170,3 +170,15 @@ def fake_app(overrides: list[str] = (), **engine_kwargs):
     validate_config(cfg, cuda_available=False)
     async_engine = AsyncEngine(FakeEngine(load_tokenizer(None), **engine_kwargs), cfg.server.max_waiting_requests)
     return build_app(cfg, async_engine), async_engine
+
+
+def assert_server_goes_down(server: ServerProcess, body: dict, message: str) -> None:
+    """After something killed a process the server needs: a request fails (or finds the server
+    gone), the server exits 1 and its log says `message`."""
+    try:
+        assert server.post("/v1/completions", json=body).status_code >= 500
+    except httpx.HTTPError:
+        pass  # the server may already be gone
+    assert wait_until(lambda: server.proc.poll() is not None, timeout_s=60)
+    assert server.proc.returncode == 1
+    assert message in server.log()

@@ -188,6 +188,22 @@ def measure(engine, args, batches: list[int], concurrency: list[int], into: dict
         save()
 
 
+def print_table(results: dict) -> None:
+    """The bench's table from its JSON ({mode: {forwards, served} or {error}}), also of a cut-short run."""
+    print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} "
+          f"{'commit+denoise':>15}")
+    for mode, r in results.items():
+        if "error" in r:
+            print(f"{mode:>6} failed: {r['error'][:300]}")
+        for f in r.get("forwards", []):
+            print(f"{mode:>6} {f['batch']:>6} {f['denoise_ms']:>11.2f} {f['denoise_forward_ms']:>11.2f} "
+                  f"{f['commit_ms']:>10.2f} {f.get('commit_denoise_ms', float('nan')):>15.2f}")
+    print(f"\n{'graphs':>6} {'conc':>6} {'steps':>6} {'tok/s':>10} {'TPF':>6}")
+    for mode, r in results.items():
+        for f in r.get("served", []):
+            print(f"{mode:>6} {f['concurrency']:>6} {f['steps']:>6} {f['tok_per_s']:>10.1f} {f['tpf']:>6.2f}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="diffusion_gemma_26b_a4b")
@@ -225,18 +241,7 @@ def main(argv=None) -> None:
                 raise
             results[mode]["error"] = f"{type(err).__name__}: {err}"
             save()
-    print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} "
-          f"{'commit+denoise':>15}")
-    for mode, r in results.items():
-        if "error" in r:
-            print(f"{mode:>6} failed: {r['error'][:300]}")
-        for f in r.get("forwards", []):
-            print(f"{mode:>6} {f['batch']:>6} {f['denoise_ms']:>11.2f} {f['denoise_forward_ms']:>11.2f} "
-                  f"{f['commit_ms']:>10.2f} {f['commit_denoise_ms']:>15.2f}")
-    print(f"\n{'graphs':>6} {'conc':>6} {'steps':>6} {'tok/s':>10} {'TPF':>6}")
-    for mode, r in results.items():
-        for f in r.get("served", []):
-            print(f"{mode:>6} {f['concurrency']:>6} {f['steps']:>6} {f['tok_per_s']:>10.1f} {f['tpf']:>6.2f}")
+    print_table(results)
     print(f"\nfull numbers: {out}")
 
 

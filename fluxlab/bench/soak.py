@@ -87,7 +87,7 @@ def rss_mib(pid: Optional[int]) -> Optional[float]:
     if pid is None:
         return None
     total = 0.0
-    for p in [pid, *_descendants(pid)]:
+    for p in [pid, *descendants(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -97,7 +97,8 @@ def rss_mib(pid: Optional[int]) -> Optional[float]:
     return total
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children, theirs, ...), from /proc."""
     out, todo = [], [pid]
     while todo:
         current = todo.pop()

@@ -173,8 +173,6 @@ class LLMEngine:
         self.device = torch.device(cfg.engine.device)
         self.dtype = DTYPES[cfg.engine.dtype]
         torch.manual_seed(cfg.engine.seed)
-        # add_request reads the config's decoding defaults: a plain dict (an omegaconf lookup is ~10 µs)
-        self.decoding_defaults: dict = {key: cfg.decoding[key] for key in cfg.decoding}
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -184,6 +182,8 @@ class LLMEngine:
         """The engine loop's own state: live requests, pending outputs and the run's counters."""
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
+        # add_request reads the config's decoding defaults: a plain dict (an omegaconf lookup is ~10 µs)
+        self.decoding_defaults: dict = {key: self.cfg.decoding[key] for key in self.cfg.decoding}
         self.total_forwards = 0
         self.total_generated_tokens = 0
         # Wall time of steps that ran a forward. A step ends on its one device->host copy, so the

@@ -24,6 +24,10 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
+from fluxlab.kernels.vocab_stats import combine_parts, split_plan
+
+if HAVE_TRITON:
+    from fluxlab.kernels.vocab_stats import online_update
 
 BLOCK = 2048
 
@@ -53,12 +57,7 @@ if HAVE_TRITON:
             mask = cols < end
             x = _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, temperature, HAS_CAP)
             x = tl.where(mask, x, -float("inf"))
-            block_max = tl.max(x, axis=0)
-            block_idx = tl.argmax(x, axis=0)
-            new_max = tl.maximum(run_max, block_max)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            run_idx = tl.where(block_max > run_max, base + block_idx, run_idx)
-            run_max = new_max
+            run_max, run_sum, run_idx = online_update(run_max, run_sum, run_idx, x, base)
         out = row * num_splits + split
         tl.store(max_ptr + out, run_max)
         tl.store(sum_ptr + out, run_sum)
@@ -101,15 +100,6 @@ def use_kernel(raw: torch.Tensor) -> bool:
     return HAVE_TRITON and (raw.device.type == "cuda" or _interpret())
 
 
-def _splits(rows: int, vocab: int) -> tuple[int, int]:
-    """(slices, slice length): enough programs to fill a GPU, slices of whole blocks."""
-    want = max(1, -(-528 // max(rows, 1)))
-    splits = max(1, min(want, vocab // (4 * BLOCK)))
-    per_split = -(-vocab // splits)
-    chunk = -(-per_split // BLOCK) * BLOCK
-    return -(-vocab // chunk), chunk
-
-
 def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | None, noise: torch.Tensor,
                  probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """raw [N, V] head output (any float dtype), temperature [N] fp32, noise [N, V] fp32 Exp(1)
@@ -118,7 +108,7 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     raw = raw.contiguous()
     rows, vocab = raw.shape
     assert rows * vocab < 2**31, "int32 offsets: chunk the rows (the runner's step_elements does)"
-    splits, chunk = _splits(rows, vocab)
+    splits, chunk = split_plan(rows, vocab, BLOCK)
     device = raw.device
     cap = float(softcap) if softcap else 1.0
     temperature = temperature.contiguous()
@@ -127,9 +117,8 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=device)
     _max_kernel[(rows, splits)](raw, raw.stride(0), vocab, chunk, temperature, cap, 1.0 / cap, part_max, part_sum,
                                 part_idx, splits, HAS_CAP=bool(softcap), BLOCK=BLOCK)
-    top, which = part_max.max(dim=-1)  # the first slice holding the max: the lowest index wins ties
-    lse = (top + torch.log((part_sum * torch.exp(part_max - top[:, None])).sum(dim=-1))).contiguous()
-    argmax = part_idx.gather(1, which[:, None]).squeeze(1).long()
+    _, lse, argmax = combine_parts(part_max, part_sum, part_idx)  # the lowest index wins ties
+    lse, argmax = lse.contiguous(), argmax.long()
     probs = torch.empty(rows, vocab, dtype=probs_dtype, device=device)
     part_entropy = torch.empty(rows, splits, dtype=torch.float32, device=device)
     part_ratio = torch.empty_like(part_entropy)

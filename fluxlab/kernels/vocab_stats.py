@@ -25,6 +25,17 @@ def greedy_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 if HAVE_TRITON:
     @triton.jit
+    def online_update(run_max, run_sum, run_idx, x, base):
+        """One block of x (masked entries -inf) into a running (max, sum of exp(x - max), first
+        index of the max); the block starts at vocabulary id `base`."""
+        block_max = tl.max(x, axis=0)
+        block_idx = tl.argmax(x, axis=0)
+        new_max = tl.maximum(run_max, block_max)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_idx = tl.where(block_max > run_max, base + block_idx, run_idx)
+        return new_max, run_sum, run_idx
+
+    @triton.jit
     def _stats_kernel(logits_ptr, stride, vocab, chunk, max_ptr, sum_ptr, idx_ptr, num_splits,
                       BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -38,22 +49,30 @@ if HAVE_TRITON:
         for base in range(start, end, BLOCK):
             cols = base + offs
             x = tl.load(logits_ptr + row * stride + cols, mask=cols < end, other=-float("inf")).to(tl.float32)
-            block_max = tl.max(x, axis=0)
-            block_idx = tl.argmax(x, axis=0)
-            new_max = tl.maximum(run_max, block_max)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            run_idx = tl.where(block_max > run_max, base + block_idx, run_idx)
-            run_max = new_max
+            run_max, run_sum, run_idx = online_update(run_max, run_sum, run_idx, x, base)
         out = row * num_splits + split
         tl.store(max_ptr + out, run_max)
         tl.store(sum_ptr + out, run_sum)
         tl.store(idx_ptr + out, run_idx)
 
 
-def _num_splits(rows: int, vocab: int, block: int) -> int:
-    # Enough programs to fill a GPU (~132 SMs x 4) without slices shorter than a few blocks.
+def split_plan(rows: int, vocab: int, block: int) -> tuple[int, int]:
+    """(slices, slice length) of each row's vocabulary: enough programs to fill a GPU (~132 SMs x 4)
+    without slices shorter than a few blocks, each slice whole blocks."""
     want = max(1, -(-528 // max(rows, 1)))
-    return max(1, min(want, vocab // (4 * block)))
+    splits = max(1, min(want, vocab // (4 * block)))
+    chunk = -(-vocab // splits)
+    chunk = -(-chunk // block) * block
+    return -(-vocab // chunk), chunk
+
+
+def combine_parts(part_max: torch.Tensor, part_sum: torch.Tensor, part_idx: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slices' (max, sum of exp, first index of the max) [N, splits] -> (max, log-sum-exp,
+    first index of the max) [N] of whole rows: the first slice holding the max wins ties."""
+    top, which = part_max.max(dim=-1)
+    lse = top + torch.log((part_sum * torch.exp(part_max - top[:, None])).sum(dim=-1))
+    return top, lse, part_idx.gather(1, which[:, None]).squeeze(1)
 
 
 def _kernel_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,10 +80,7 @@ def _kernel_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     logits = logits.contiguous()
     rows, vocab = logits.shape
     block = 2048
-    splits = _num_splits(rows, vocab, block)
-    chunk = -(-vocab // splits)
-    chunk = -(-chunk // block) * block
-    splits = -(-vocab // chunk)
+    splits, chunk = split_plan(rows, vocab, block)
     part_max = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
@@ -93,10 +109,7 @@ def shard_stats(logits: torch.Tensor) -> torch.Tensor:
     (max, log-sum-exp, first index of the max). The index travels as fp32, exact below 2**24."""
     assert logits.shape[-1] < 2 ** 24, "argmax index not exact in fp32"
     if _use_kernel(logits):
-        part_max, part_sum, part_idx = _kernel_parts(logits)
-        top, which = part_max.max(dim=-1)
-        lse = top + torch.log((part_sum * torch.exp(part_max - top[:, None])).sum(dim=-1))
-        index = part_idx.gather(1, which[:, None]).squeeze(1)
+        top, lse, index = combine_parts(*_kernel_parts(logits))
     else:
         logits = logits.float()
         top, index = logits.max(dim=-1)

@@ -110,21 +110,12 @@ class AsyncEngine:
 
         Raises InvalidRequest (400), Overloaded (503) or EngineDead (503).
         """
-        if not self.alive:
-            raise EngineDead(self.error or "the engine is not running")
-        if self.num_waiting >= self.max_waiting_requests:
-            raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
-                             f"(server.max_waiting_requests={self.max_waiting_requests}); retry later")
+        check_room(self)
         stream = _Stream(asyncio.get_running_loop())
         with self._pending_lock:
             self._pending_adds += 1
         self._commands.put(("add", request_id, prompt_ids, params, stream))
-        try:
-            await stream.accepted  # raises what add_request raised
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the client left while we queued; FIFO puts this after the add
-            raise
-        return stream.queue
+        return await accepted_queue(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -281,6 +272,25 @@ class AsyncEngine:
             graph_forwards=getattr(e, "graph_forwards", 0), kv_cached_pages=getattr(e, "kv_cached_pages", 0),
             prefix_cache_queried_blocks=getattr(e, "prefix_cache_queried_blocks", 0),
             prefix_cache_hit_blocks=getattr(e, "prefix_cache_hit_blocks", 0))
+
+
+def check_room(engine: Any) -> None:
+    """Refuse a new request to a stopped engine (EngineDead) or a full queue (Overloaded)."""
+    if not engine.alive:
+        raise EngineDead(engine.error or "the engine is not running")
+    if engine.num_waiting >= engine.max_waiting_requests:
+        raise Overloaded(f"server overloaded: {engine.num_waiting} requests waiting "
+                         f"(server.max_waiting_requests={engine.max_waiting_requests}); retry later")
+
+
+async def accepted_queue(engine: Any, request_id: str, stream: _Stream) -> asyncio.Queue:
+    """The stream's queue once the engine took its add (raises what add_request raised)."""
+    try:
+        await stream.accepted
+    except asyncio.CancelledError:
+        engine.abort(request_id)  # the client left while we queued; commands are FIFO: after the add
+        raise
+    return stream.queue
 
 
 def _settle(future: asyncio.Future, err: Optional[BaseException]) -> None:

@@ -21,7 +21,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 from fluxlab.engine.request import RequestOutput, SamplingParams
-from fluxlab.server.async_engine import AsyncEngine, EngineDead, Overloaded, _Stream
+from fluxlab.server.async_engine import AsyncEngine, EngineDead, _Stream, accepted_queue, check_room
 
 log = logging.getLogger("fluxlab.server")
 
@@ -88,22 +88,13 @@ class EngineProcess:
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """As AsyncEngine.add: the output queue once the engine took the request; raises
         InvalidRequest (400), Overloaded (503) or EngineDead (503)."""
-        if not self.alive:
-            raise EngineDead(self.error or "the engine is not running")
-        if self.num_waiting >= self.max_waiting_requests:
-            raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
-                             f"(server.max_waiting_requests={self.max_waiting_requests}); retry later")
+        check_room(self)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             self._streams[request_id] = stream
             self._pending_adds += 1
         self._send(("add", request_id, prompt_ids, params))
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the pipe is FIFO: the child sees this after the add
-            raise
-        return stream.queue
+        return await accepted_queue(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
