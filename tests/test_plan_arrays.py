@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
+import types
 from itertools import chain
 
 import numpy as np
@@ -188,3 +190,71 @@ def test_every_engine_forward_plans_what_its_rows_page_tables_give(monkeypatch, 
     assert seen["multi_block"] and seen["single"] and seen["same_rows"] and seen["forwards"] > 10
     if prefix_cache == "true":
         assert seen["shared"]
+
+
+class _FakeWrapper:
+    """Records FlashInfer plans (CPU: the real wrapper needs CUDA); fails when `fail` is set."""
+
+    def __init__(self, *args, **kwargs):
+        self.plans, self.fail = [], False
+
+    def reset_workspace_buffer(self, float_buffer, int_buffer):
+        pass
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kwargs):
+        if self.fail:
+            raise RuntimeError("plan failed")
+        self.plans.append(kv_indices.tolist())
+
+
+def test_a_wrapper_replans_only_when_the_shared_int_buffer_holds_another_plan(monkeypatch):
+    """Skipping FlashInfer's plan is exact only while the shared int buffer holds this wrapper's plan
+    of these very arguments: another wrapper's plan in between, other segments (equal ones included)
+    or a failed plan make the next plan run."""
+    from fluxlab.engine.layers import attention_flashinfer as fi
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper))
+    cache = types.SimpleNamespace(block_length=BL, k=torch.zeros(1, dtype=torch.float32))
+    config = types.SimpleNamespace(num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    workspace = fi.SharedWorkspace(torch.device("cpu"))
+    graph_a, graph_b = (fi.FlashInferAttention(cache, config, torch.device("cpu"), graph_segments=4, graph_max_pages=16,
+                                               workspace=workspace) for _ in range(2))
+    rows = [(0, 1, [3, 4]), (1, 1, [5, 6])]
+    segments = Segments.of_rows(rows)
+    graph_a.plan(segments)
+    graph_a.plan(segments)  # the decode steps of a block: the same rows, the same segments
+    assert graph_a.wrapper.plans == [[3, 5, 6]]
+    graph_b.plan(segments)
+    graph_a.plan(segments)  # b's plan overwrote the int buffer
+    assert graph_a.wrapper.plans == [[3, 5, 6]] * 2 and graph_b.wrapper.plans == [[3, 5, 6]]
+    graph_a.plan(Segments.of_rows(rows))  # equal rows, new segments: planned again
+    assert len(graph_a.wrapper.plans) == 3
+    graph_a.wrapper.fail = True
+    with pytest.raises(RuntimeError):
+        graph_a.plan(segments)
+    graph_a.wrapper.fail = False
+    graph_a.plan(segments)  # after a failed plan the buffer holds no known plan
+    assert len(graph_a.wrapper.plans) == 4
+
+
+def test_an_fa4_graph_rewrites_its_tables_only_for_other_segments(monkeypatch):
+    """A graph's FA4 page table and lengths are its own buffers: the same segments again (a block's
+    decode steps) leave them as they are, other segments rewrite them."""
+    from fluxlab.engine.layers.attention_fa4 import Fa4Attention
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = None
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    cache = types.SimpleNamespace(block_length=BL)
+    graph = Fa4Attention(cache, torch.device("cpu"), num_qo_heads=2, head_dim=8, max_blocks_per_seq=3, graph_segments=2)
+    first, other = Segments.of_rows([(0, 1, [3]), (1, 1, [5, 6])]), Segments.of_rows([(0, 2, [4, 2])])
+    graph.plan(first)
+    assert graph.page_table.tolist() == [[3, 0, 0], [5, 6, 0]] and graph.seqused_k.tolist() == [BL, 2 * BL]
+    graph.page_table.fill_(9)  # marks the buffer: a skipped plan leaves the mark
+    graph.plan(first)
+    assert graph.page_table.tolist() == [[9] * 3] * 2
+    graph.plan(other)
+    assert graph.page_table.tolist() == [[4, 0, 0], [4, 2, 0]] and graph.seqused_k.tolist() == [BL, 2 * BL]
+    graph.plan(first)
+    assert graph.page_table.tolist() == [[3, 0, 0], [5, 6, 0]]

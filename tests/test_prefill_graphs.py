@@ -20,6 +20,7 @@ def _llm(*overrides):
 @pytest.mark.parametrize("backend", ["flashinfer", "fa4"])
 def test_prefill_graphs_replay_prefill_forwards_with_the_eager_tokens(backend):
     pytest.importorskip("flash_attn.cute" if backend == "fa4" else "flashinfer")
+    from fluxlab.engine.llm_engine import ladder_sizes
     from fluxlab.engine.request import SamplingParams
 
     base = [f"attention={backend}"]
@@ -32,7 +33,7 @@ def test_prefill_graphs_replay_prefill_forwards_with_the_eager_tokens(backend):
     eager.shutdown()
 
     decode_only = _llm(*base, "attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[1,2,4]")
-    assert decode_only.engine.runner.graphs.sizes == [1, 2, 4, 8]
+    assert decode_only.engine.runner.graphs.sizes == sorted(ladder_sizes(8)) == [1, 2, 3, 4, 5, 6, 7, 8]  # 8 = 2 x 4
     assert [r.token_ids for r in decode_only.generate(prompts, params)] == want
     assert decode_only.engine.runner.num_eager_forwards > 0  # the prefill forward does not fit
     decode_only.shutdown()
@@ -40,7 +41,7 @@ def test_prefill_graphs_replay_prefill_forwards_with_the_eager_tokens(backend):
     both = _llm(*base, "attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[1,2,4]",
                 "attention.use_prefill_cuda_graph=true", "attention.cuda_graph_capture_sizes=[512,1024]")
     runner = both.engine.runner
-    assert runner.graphs.sizes == [1, 2, 4, 8, 16, 32]  # 512 and 1024 tokens are 16 and 32 blocks
+    assert runner.graphs.sizes == sorted(ladder_sizes(8) | {16, 32})  # 512 and 1024 tokens are 16 and 32 blocks
     assert [r.token_ids for r in both.generate(prompts, params)] == want
     assert runner.num_eager_forwards == 0 and runner.num_graph_forwards > 0
     both.shutdown()
