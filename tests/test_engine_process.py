@@ -48,9 +48,15 @@ def test_the_engine_process_exits_when_the_server_is_killed(tmp_path):
         server.kill()
 
 
-def test_sigterm_stops_the_engine_process_with_the_server(tmp_path):
-    server = ServerProcess(TINY, tmp_path)
+def test_sigterm_stops_the_engine_process_with_the_server_and_it_writes_its_profile(tmp_path):
+    """(FLUXLAB_ENGINE_PROFILE: the child's loop under cProfile, written when it stops.)"""
+    import pstats
+
+    server = ServerProcess(TINY, tmp_path, env={"FLUXLAB_ENGINE_PROFILE": str(tmp_path / "prof")})
     engine = _engine_process(server.proc.pid)
     assert server.post("/v1/completions", json=BODY).status_code == 200
     assert server.stop(signal.SIGTERM) == 0
     assert wait_until(lambda: _gone(engine), timeout_s=30)
+    stats = pstats.Stats(str(tmp_path / "prof" / f"engine_{engine}.prof")).stats
+    steps = [calls for (path, _, name), (_, calls, *_) in stats.items() if name == "step" and path.endswith("llm_engine.py")]
+    assert steps and steps[0] >= 2  # 16 tokens at block 32: at least a prefill and a decode step

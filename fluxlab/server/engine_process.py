@@ -11,6 +11,7 @@ once per step. vLLM's engine core and SGLang's scheduler process are the same sp
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import logging
 import multiprocessing
 import os
@@ -257,8 +258,19 @@ def run_engine_process(cfg: Any, conn: Any, max_waiting_requests: int, log_level
         return
     loop = _ChildLoop(engine, max_waiting_requests, conn)
     conn.send(("ready", engine.max_model_len, engine.tokenizer, loop.snapshot))
+    # FLUXLAB_ENGINE_PROFILE=dir: a cProfile of the whole engine loop, written at stop to
+    # dir/engine_<pid>.prof: the served engine's host time is spent in this process, where a
+    # profiler of the server process does not see it.
+    profile_dir = os.environ.get("FLUXLAB_ENGINE_PROFILE")
+    profiler = cProfile.Profile() if profile_dir else None
     try:
+        if profiler is not None:
+            profiler.enable()
         loop._run()  # returns once stopped; it shut the engine down
+        if profiler is not None:
+            profiler.disable()
+            os.makedirs(profile_dir, exist_ok=True)
+            profiler.dump_stats(os.path.join(profile_dir, f"engine_{os.getpid()}.prof"))
         loop.flush()
         conn.send(("stopped",))
     except (OSError, EOFError):  # the server process is gone
