@@ -18,7 +18,7 @@ GROUPS = ["engine", "model", "scheduler", "attention", "decoding", "parallel", "
 REQUIRED_OPTIONS = {
     "model": {"arith_llada2", "tiny_llada2", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"},
     "scheduler": {"paged", "dynamic"},
-    "attention": {"sdpa", "flashinfer", "fa4"},
+    "attention": {"sdpa", "flashinfer", "fa4", "triton"},
     "decoding": {"threshold", "hierarchy", "joint_threshold", "joint_threshold_speed"},
     "parallel": {"single", "tp2", "tp2_ep2", "tp4_ep4", "dp2"},
 }
@@ -44,7 +44,7 @@ def test_required_group_options_exist():
 def test_every_group_option_composes_and_validates(group, monkeypatch):
     monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)  # the [gpu] extra, not on CPU CI
     for option in options(group):
-        cuda = option in ("flashinfer", "fa4")
+        cuda = option in ("flashinfer", "fa4", "triton")
         # the canvas decoder runs on Diffusion-Gemma models only (which select it themselves)
         model = ["model=tiny_diffusion_gemma"] if (group, option) == ("decoding", "canvas") else []
         cfg, _ = valid([f"{group}={option}"] + model, cuda=cuda)
@@ -264,6 +264,18 @@ def test_fa4_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"attention.backend=fa4 needs flash_attn.cute \(pip install flash-attn-4"):
         valid(["attention=fa4"], cuda=True)
+
+
+def test_triton_attention_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
+    with pytest.raises(ConfigError, match="attention.backend=triton needs a CUDA device but engine.device=cpu"):
+        valid(["attention=triton"])
+    # fp32 runs (IEEE dot products), under graphs too: CUDA-graph parity runs at fp32
+    cfg, _ = valid(["attention=triton", "engine.dtype=float32", "attention.use_decode_cuda_graph=true",
+                    "attention.use_prefill_cuda_graph=true"], cuda=True)
+    assert cfg.attention.backend == "triton" and cfg.engine.dtype == "float32"
+    monkeypatch.setattr("fluxlab.config.validate._triton_installed", lambda: False)
+    with pytest.raises(ConfigError, match="attention.backend=triton needs the triton package"):
+        valid(["attention=triton"], cuda=True)
 
 
 def test_fa4_package_probe_imports_nothing_heavy():

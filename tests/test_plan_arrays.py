@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fluxlab.engine.layers.attention import build_metadata
-from fluxlab.engine.layers.attention_fa4 import segment_tables
+from fluxlab.engine.layers.page_tables import segment_tables
 from fluxlab.engine.layers.attention_flashinfer import plan_indices
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.request import SamplingParams

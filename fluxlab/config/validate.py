@@ -11,9 +11,9 @@ from typing import Optional
 from omegaconf import DictConfig, open_dict
 
 from fluxlab.config.schema import AttentionConfig, DecodingConfig
+from fluxlab.engine.layers.backends import BACKENDS, GRAPH_BACKENDS, NO_FP32
 
 POLICIES = ("paged", "dynamic", "static")
-BACKENDS = ("sdpa", "flashinfer", "fa4")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -35,6 +35,12 @@ def _fa4_installed() -> bool:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):  # no flash_attn, or a flash_attn package that fails to import
         return False
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _check(ok: bool, message: str) -> None:
@@ -222,11 +228,14 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         _check(on_cuda or attn.backend == "sdpa",
                f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
                "use attention=sdpa on CPU")
-        _check(attn.backend not in ("flashinfer", "fa4") or eng.dtype != "float32",
+        _check(attn.backend not in NO_FP32 or eng.dtype != "float32",
                f"attention.backend={attn.backend} has no float32 kernels (engine.dtype=float32); use attention=sdpa "
                "or engine.dtype=bfloat16")
         _check(attn.backend != "fa4" or _fa4_installed(),
                "attention.backend=fa4 needs flash_attn.cute (pip install flash-attn-4==4.0.0b36, or the [gpu] extra); "
+               "use attention=flashinfer or attention=sdpa")
+        _check(attn.backend != "triton" or _triton_installed(),
+               "attention.backend=triton needs the triton package (it comes with CUDA builds of torch); "
                "use attention=flashinfer or attention=sdpa")
         _check(attn.cuda_graph_decode_mode in ("padded", "decomposed"),
                f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode!r}: use padded or decomposed")
@@ -235,8 +244,8 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
         _check(not graphs or on_cuda,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
-        _check(not graphs or attn.backend in ("flashinfer", "fa4") or is_diffusion_gemma(model),
-               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend=flashinfer or fa4 "
+        _check(not graphs or attn.backend in GRAPH_BACKENDS or is_diffusion_gemma(model),
+               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend={', '.join(GRAPH_BACKENDS)} "
                f"(got {attn.backend})")
         # Graph-size keys are read only by the graphs they size: set without those graphs, refuse.
         # (Derived values are filled in only where read, so a resolved config validates again.)

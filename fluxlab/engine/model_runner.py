@@ -20,6 +20,7 @@ from fluxlab.engine.decoding.base import DecodeBatch
 from fluxlab.engine.decoding.sampling import filtered_probs
 from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.moe import check_routing_blocks
+from fluxlab.engine.layers.backends import GRAPH_BACKENDS
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
@@ -150,21 +151,24 @@ class ModelRunner:
                                        graph_segments=graph_segments,
                                        graph_max_pages=graph_segments * self.max_blocks_per_seq,
                                        workspace=self._flashinfer_workspace)
-        if backend == "fa4":
-            from fluxlab.engine.layers.attention_fa4 import Fa4Attention
-
-            return Fa4Attention(self.cache, self.device, num_qo_heads=self.num_qo_heads,
-                                head_dim=self.model.config.head_dim, max_blocks_per_seq=self.max_blocks_per_seq,
-                                graph_segments=graph_segments)
-        raise ValueError(f"attention.backend={backend} is not available in this build; use sdpa, flashinfer or fa4")
+        if backend in ("fa4", "triton"):
+            if backend == "fa4":
+                from fluxlab.engine.layers.attention_fa4 import Fa4Attention as PageTableBackend
+            else:
+                from fluxlab.engine.layers.attention_triton import TritonAttention as PageTableBackend
+            return PageTableBackend(self.cache, self.device, num_qo_heads=self.num_qo_heads,
+                                    head_dim=self.model.config.head_dim, max_blocks_per_seq=self.max_blocks_per_seq,
+                                    graph_segments=graph_segments)
+        raise ValueError(f"attention.backend={backend} is not available in this build; "
+                         "use sdpa, flashinfer, fa4 or triton")
 
     # --- graphs ---
     @torch.inference_mode()
     def capture_graphs(self, segment_sizes: list[int], mode: str = "padded") -> None:
         from fluxlab.engine.graph_runner import GraphRunner
 
-        if self.backend not in ("flashinfer", "fa4"):
-            raise ValueError(f"CUDA graphs need attention.backend=flashinfer or fa4 (got {self.backend})")
+        if self.backend not in GRAPH_BACKENDS:
+            raise ValueError(f"CUDA graphs need attention.backend={' or '.join(GRAPH_BACKENDS)} (got {self.backend})")
         self.graphs = GraphRunner(self, segment_sizes, mode)
 
     def release_graphs(self) -> None:

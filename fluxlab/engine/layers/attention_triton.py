@@ -1,0 +1,16 @@
+"""Paged block-causal attention through fluxlab's own Triton kernel (kernels/block_attention.py):
+FA4's plan (a page table and key counts on the device, layers/page_tables.py) with no host-side
+scheduling at all, so a batch of new rows costs two small copies instead of FlashInfer's plan."""
+from __future__ import annotations
+
+import torch
+
+from fluxlab.engine.layers.page_tables import PageTableAttention
+from fluxlab.kernels.block_attention import block_attention
+
+
+class TritonAttention(PageTableAttention):
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+        return block_attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], self.page_table,
+                               self.seqused_k, self.head_dim ** -0.5)

@@ -1,0 +1,87 @@
+"""Paged block-causal attention with no host plan (Triton).
+
+FlashInfer plans every batch on the host: ~0.37 ms at 18 query blocks and ~0.9-1.0 ms at 64-72
+(measured on H200, docs/benchmarks.md §16), paid on every step of the dynamic policy, whose rows
+enter and leave blocks at different steps, and on paged's block-boundary steps. Here one program
+owns one (query block, query head) pair, reads its request's page table and page count from device
+memory and walks pages 0 .. its block with an online softmax, so the host only copies two small
+tables (none at all when the rows repeat) and a CUDA graph replays any mix of rows.
+
+Every query block has exactly block_length queries (a segment, layers/segments.py) and attends
+bidirectionally to every key of its pages: pages before its own hold final blocks, its own page its
+current tokens (the block-causal rule). No key is split across programs, so a block's output does
+not depend on what else is in the batch. fp32 inputs use IEEE dot products (the CPU parity tests
+run the sdpa backend; this kernel matches it to fp32 rounding under the interpreter).
+"""
+from __future__ import annotations
+
+import torch
+
+from fluxlab.kernels.fused_norm import HAVE_TRITON, tl, triton
+
+if HAVE_TRITON:
+    @triton.jit
+    def _block_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, used_ptr,
+                                stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh,
+                                stride_table, scale_log2, group,
+                                BL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+        segment = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // group
+        rows = tl.arange(0, BM)  # BM >= 16 for tl.dot; rows past the block are masked
+        row_ok = rows < BL
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + (segment * BL + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        num_pages = tl.load(used_ptr + segment) // BL
+        run_max = tl.full([BM], -float("inf"), dtype=tl.float32)
+        run_sum = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, D], dtype=tl.float32)
+        key_ok = rows < BL  # keys of a page: the same BL slots as the queries of a block
+        for p in range(0, num_pages):
+            page = tl.load(table_ptr + segment * stride_table + p).to(tl.int64)
+            at = page * stride_kp + rows[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+            keys = tl.load(k_ptr + at, mask=key_ok[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(keys))
+            scores = tl.where(key_ok[None, :], scores * scale_log2, -float("inf"))
+            new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+            alpha = tl.exp2(run_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            run_sum = run_sum * alpha + tl.sum(probs, axis=1)
+            values = tl.load(v_ptr + at, mask=key_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values)
+            run_max = new_max
+        out = acc / run_sum[:, None]
+        tl.store(out_ptr + (segment * BL + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    used_tokens: torch.Tensor, scale: float) -> torch.Tensor:
+    """out [S * bl, Hq, D] for q [S * bl, Hq, D] (S query blocks of bl tokens), one layer's pages
+    k_cache / v_cache [P, bl, Hkv, D], page_table [S, W] int32 (each block's request's pages) and
+    used_tokens [S] int32 = (block + 1) * bl: the keys block s attends to are pages 0 .. block."""
+    num_pages, bl, num_kv_heads, head_dim = k_cache.shape
+    tokens, num_heads, _ = q.shape
+    segments = tokens // bl
+    if tokens != segments * bl or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} is not whole blocks of {bl} with a multiple of {num_kv_heads} heads")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim={head_dim}: the kernel needs a power of two >= 16")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if segments == 0:
+        return out
+    block_m = max(16, triton.next_power_of_2(bl))
+    _block_attention_kernel[(segments, num_heads)](
+        q, k_cache, v_cache, out, page_table, used_tokens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, num_heads // num_kv_heads,
+        BL=bl, BM=block_m, D=head_dim, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out
