@@ -29,3 +29,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def gpu_packages(monkeypatch):
+    """Config validation as on a CUDA machine with the [gpu] extra: FlashInfer and FA4 found (CPU CI
+    has neither; the tests that refuse a missing package patch these back)."""
+    monkeypatch.setattr("fluxlab.config.validate._flashinfer_installed", lambda: True)
+    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)

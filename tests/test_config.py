@@ -14,6 +14,8 @@ from omegaconf.errors import ValidationError
 
 from fluxlab.config import CONF_DIR, PROJECT_ROOT, ConfigError, compose, validate_config
 
+pytestmark = pytest.mark.usefixtures("gpu_packages")  # CUDA configs validate as with the [gpu] extra
+
 GROUPS = ["engine", "model", "scheduler", "attention", "decoding", "parallel", "server"]
 REQUIRED_OPTIONS = {
     "model": {"arith_llada2", "tiny_llada2", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"},
@@ -42,7 +44,6 @@ def test_required_group_options_exist():
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_group_option_composes_and_validates(group, monkeypatch):
-    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)  # the [gpu] extra, not on CPU CI
     for option in options(group):
         cuda = option in ("flashinfer", "fa4", "triton")
         # the canvas decoder runs on Diffusion-Gemma models only (which select it themselves)
@@ -253,7 +254,6 @@ def test_float32_on_cuda_uses_sdpa_and_refuses_flashinfer():
 
 
 def test_fa4_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)
     with pytest.raises(ConfigError, match="attention.backend=fa4 needs a CUDA device but engine.device=cpu"):
         valid(["attention=fa4"])
     with pytest.raises(ConfigError, match="attention.backend=fa4 has no float32 kernels"):
@@ -264,6 +264,19 @@ def test_fa4_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"attention.backend=fa4 needs flash_attn.cute \(pip install flash-attn-4"):
         valid(["attention=fa4"], cuda=True)
+
+
+def test_flashinfer_missing_is_refused_and_auto_falls_back_to_triton(monkeypatch):
+    monkeypatch.setattr("fluxlab.config.validate._flashinfer_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"attention.backend=flashinfer needs the flashinfer package \(pip install"):
+        valid(["attention=flashinfer"], cuda=True)
+    cfg, notes = valid([], cuda=True)
+    assert cfg.attention.backend == "triton" and any("flashinfer is not installed" in n for n in notes)
+    cfg, _ = valid(["engine.dtype=float32"], cuda=True)  # exact parity stays on sdpa
+    assert cfg.attention.backend == "sdpa"
+    monkeypatch.setattr("fluxlab.config.validate._triton_installed", lambda: False)
+    cfg, _ = valid([], cuda=True)
+    assert cfg.attention.backend == "sdpa"
 
 
 def test_triton_attention_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):

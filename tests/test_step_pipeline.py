@@ -244,7 +244,7 @@ def test_trust_remote_code_reaches_the_tokenizer(tiny_ckpt, monkeypatch, trust):
     assert seen["trust_remote_code"] is trust
 
 
-def test_graph_sizes_cover_decode_commit_and_fdfo_mixes():
+def test_graph_sizes_cover_decode_commit_and_fdfo_mixes(gpu_packages):
     from fluxlab.config import compose, validate_config
     from fluxlab.engine.llm_engine import graph_segment_sizes
 

@@ -46,7 +46,7 @@ class SchedulerConfig:
 
 @dataclass
 class AttentionConfig:
-    backend: str = "auto"  # auto = flashinfer on CUDA, sdpa on CPU; sdpa | flashinfer | fa4 | triton
+    backend: str = "auto"  # auto = flashinfer on CUDA (triton without it), sdpa on CPU and fp32; sdpa | flashinfer | fa4 | triton
     use_cuda_graph: bool = False  # the reference system's --use-cuda-graph: validate turns on decode graphs
     use_prefill_cuda_graph: bool = False  # prefill / mixed forwards up to cuda_graph_capture_sizes tokens
     use_decode_cuda_graph: bool = False

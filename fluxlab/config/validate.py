@@ -27,20 +27,26 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _fa4_installed() -> bool:
-    """Whether flash_attn.cute (PyPI flash-attn-4) can be found; imports neither it nor torch."""
+def _installed(package: str) -> bool:
+    """Whether `package` can be found; imports neither it nor torch."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):  # no flash_attn, or a flash_attn package that fails to import
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # e.g. a flash_attn package that fails to import
         return False
 
 
-def _triton_installed() -> bool:
-    import importlib.util
+def _fa4_installed() -> bool:
+    return _installed("flash_attn.cute")  # PyPI flash-attn-4
 
-    return importlib.util.find_spec("triton") is not None
+
+def _flashinfer_installed() -> bool:
+    return _installed("flashinfer")
+
+
+def _triton_installed() -> bool:
+    return _installed("triton")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -222,8 +228,16 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         if is_diffusion_gemma(model):
             _check_canvas_engine(cfg)
         if attn.backend == "auto":
-            # FlashInfer has no fp32 kernels: exact-parity (float32) runs on CUDA use sdpa.
-            attn.backend = "flashinfer" if on_cuda and eng.dtype != "float32" else "sdpa"
+            # FlashInfer has no fp32 kernels: exact-parity (float32) runs on CUDA use sdpa. Without
+            # the [gpu] extra, fluxlab's own Triton kernel (triton comes with CUDA builds of torch).
+            attn.backend = "sdpa"
+            if on_cuda and eng.dtype != "float32":
+                if _flashinfer_installed():
+                    attn.backend = "flashinfer"
+                elif _triton_installed():
+                    attn.backend = "triton"
+                    notes.append("attention=auto: flashinfer is not installed (pip install flashinfer-python, or "
+                                 "the [gpu] extra); using attention=triton")
         _check(attn.backend in BACKENDS, f"attention.backend={attn.backend!r}: use one of auto, {', '.join(BACKENDS)}")
         _check(on_cuda or attn.backend == "sdpa",
                f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
@@ -231,6 +245,9 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         _check(attn.backend not in NO_FP32 or eng.dtype != "float32",
                f"attention.backend={attn.backend} has no float32 kernels (engine.dtype=float32); use attention=sdpa "
                "or engine.dtype=bfloat16")
+        _check(attn.backend != "flashinfer" or _flashinfer_installed(),
+               "attention.backend=flashinfer needs the flashinfer package (pip install flashinfer-python==0.6.13, or "
+               "the [gpu] extra); use attention=triton or attention=sdpa")
         _check(attn.backend != "fa4" or _fa4_installed(),
                "attention.backend=fa4 needs flash_attn.cute (pip install flash-attn-4==4.0.0b36, or the [gpu] extra); "
                "use attention=flashinfer or attention=sdpa")
