@@ -104,25 +104,11 @@ def test_fa4_backend_matches_sdpa_through_the_package_contract(reference_fa4, gr
 def test_engine_with_the_fa4_backend_gives_the_sdpa_tokens(reference_fa4, tiny_ckpt, one_thread):
     """The runner's eager path with attention=fa4 (CPU, fp32, the torch stand-in kernel): prefill
     chunks, decode and commit + decode rows give the tokens sdpa gives."""
-    from fluxlab.engine.model_runner import ModelRunner
-    from fluxlab.engine.request import SamplingParams
-    from fluxlab.llm import LLM
+    from backend_helpers import sdpa_and_backend_tokens
 
-    llm = LLM(overrides=[f"model.path={tiny_ckpt}", "model=tiny_llada2", "engine.device=cpu", "engine.dtype=float32",
-                         "decoding.block_length=32", "model.max_model_len=512", "scheduler.max_num_seqs=4",
-                         "scheduler.enable_prefix_cache=false"])  # the swapped-in runner has its own empty pages
-    text = "Janet has 16 eggs and sells the rest at the market for two dollars each. " * 8
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    prompts = [ids[:20 + 29 * i] for i in range(4)]
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    want = [r.token_ids for r in llm.generate(prompts, params)]
-    engine = llm.engine
-    sdpa = engine.runner
-    engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, engine.device,
-                                engine.dtype, "fa4", engine.max_model_len // engine.block_length,
-                                engine.cfg.scheduler.max_num_seqs, engine.mask_id, sdpa.special)
-    assert [r.token_ids for r in llm.generate(prompts, params)] == want
-    assert engine.runner.num_eager_forwards > 0
+    want, got, runner = sdpa_and_backend_tokens(tiny_ckpt, "fa4", max_model_len=512, max_new_tokens=48)
+    assert got == want
+    assert runner.num_eager_forwards > 0
 
 
 # ---------------------------------------------------------------------------------------------- GPU

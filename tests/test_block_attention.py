@@ -81,31 +81,15 @@ def _interpreter_checks() -> None:
 
 
 def _engine_check() -> None:
-    """The runner's eager path with attention=triton gives the sdpa engine's tokens (fp32, CPU):
-    prefill chunks, decode, commit + decode rows and padding-free batches of 1-4 rows."""
+    """The runner's eager path with attention=triton gives the sdpa engine's tokens (fp32, CPU)."""
+    from backend_helpers import sdpa_and_backend_tokens
     from fluxlab.checkpoint import ensure_tiny_checkpoint
-    from fluxlab.engine.model_runner import ModelRunner
-    from fluxlab.engine.request import SamplingParams
-    from fluxlab.llm import LLM
 
     torch.set_num_threads(1)
-    ckpt = ensure_tiny_checkpoint()
-    llm = LLM(overrides=[f"model.path={ckpt}", "model=tiny_llada2", "engine.device=cpu", "engine.dtype=float32",
-                         "decoding.block_length=32", "model.max_model_len=256", "scheduler.max_num_seqs=4",
-                         "scheduler.enable_prefix_cache=false"])  # the swapped-in runner has its own empty pages
-    text = "Janet has 16 eggs and sells the rest at the market for two dollars each. " * 8
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    prompts = [ids[:20 + 29 * i] for i in range(4)]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    want = [r.token_ids for r in llm.generate(prompts, params)]
-    engine = llm.engine
-    sdpa = engine.runner
-    engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, engine.device,
-                                engine.dtype, "triton", engine.max_model_len // engine.block_length,
-                                engine.cfg.scheduler.max_num_seqs, engine.mask_id, sdpa.special)
-    got = [r.token_ids for r in llm.generate(prompts, params)]
+    want, got, runner = sdpa_and_backend_tokens(ensure_tiny_checkpoint(), "triton", max_model_len=256,
+                                                max_new_tokens=40)
     assert got == want, (got, want)
-    assert engine.runner.num_eager_forwards > 0
+    assert runner.num_eager_forwards > 0
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -113,9 +97,8 @@ def test_kernel_backend_and_engine_under_the_triton_interpreter():
     run_interpreter_checks(__file__)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_the_kernel_refuses_shapes_it_cannot_tile():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
     from fluxlab.kernels.block_attention import block_attention
 
     k = torch.zeros(4, 8, 2, 24)

@@ -160,7 +160,6 @@ def profile_decode(engine, prompts: list[list[int]], steps: int) -> None:
 def main() -> None:
     from fluxlab.config import compose, validate_config
     from fluxlab.engine.llm_engine import LLMEngine, make_engine
-    from fluxlab.engine.model_runner import ModelRunner
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llada2_mini")
@@ -214,9 +213,7 @@ def main() -> None:
             vcfg = compose("generate", overrides + extra)
             validate_config(vcfg)
             return make_engine(vcfg)
-        engine.runner = ModelRunner(engine.model, engine.block_manager.num_pages, engine.block_length, device,
-                                    engine.dtype, backend, engine.max_model_len // engine.block_length,
-                                    engine.cfg.scheduler.max_num_seqs, engine.mask_id, special)
+        engine.runner = engine.make_runner(backend)
         if graphs:
             t0 = time.perf_counter()
             segments = sorted(decode_segments or {n for b in sizes for n in (b, 2 * b)})
@@ -228,7 +225,6 @@ def main() -> None:
 
     t0 = time.perf_counter()
     engine = LLMEngine(cfg) if tp == 1 else None
-    special = engine.runner.special if engine is not None else {}  # runners are swapped per variant
     if engine is not None:
         print(f"engine built in {time.perf_counter() - t0:.1f} s ({engine.kv_total_pages} KV pages)", flush=True)
     from fluxlab.engine.llm_engine import load_tokenizer

@@ -156,9 +156,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
                                    StopStrings(self.tokenizer))
-        self.runner = self.runner_class(self.model, self.block_manager.num_pages, self.block_length, self.device,
-                                  self.dtype, cfg.attention.backend, self.max_model_len // self.block_length,
-                                  cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
+        self.runner = self.make_runner(cfg.attention.backend)
         segment_sizes = graph_segment_sizes(cfg)
         if segment_sizes:
             self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
@@ -166,6 +164,15 @@ class LLMEngine:
         log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s, prefix cache %s",
                  cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
                  cfg.scheduler.policy, cfg.attention.backend, "on" if cfg.scheduler.enable_prefix_cache else "off")
+
+    def make_runner(self, backend: str) -> ModelRunner:
+        """A runner of this engine's model with attention `backend` and its own empty KV pages, as many
+        as the block manager hands out: the engine's own, and what benchmarks and backend tests swap
+        in for `self.runner` (without the prefix cache: cached blocks would point at the old pages)."""
+        cfg = self.cfg
+        return self.runner_class(self.model, self.block_manager.num_pages, self.block_length, self.device,
+                                 self.dtype, backend, self.max_model_len // self.block_length,
+                                 cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
 
     def _init_device(self, cfg: DictConfig) -> None:
         """engine.device / dtype / seed: a bare "cuda" is pinned to the current card."""
