@@ -54,10 +54,16 @@ class CapturedForward:
         bl, device = runner.block_length, runner.device
         tokens = segments * bl
         self.segments = segments
-        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.positions = torch.arange(tokens, device=device) % bl
-        self.scratch_slots = runner.scratch_slots.repeat(segments)
-        self.slots = self.scratch_slots.clone()
+        # ids, positions, slots: the host writes them into mapped pinned memory (staging.py), the
+        # graph's first kernel copies them in; padding tokens sit at block offsets of the scratch page
+        staged, self.staged_on_device = runner.staging.mapped(3 * tokens)
+        self.staged = staged.reshape(3, tokens)
+        self.staged[1] = np.arange(tokens) % bl
+        self.staged[2] = runner.scratch_slots.repeat(segments).cpu().numpy()
+        self.padding = self.staged.copy()
+        self.loaded: Optional[Segments] = None  # the segments whose positions and slots are staged
+        self.inputs = torch.from_numpy(self.staged).to(device)
+        self.input_ids, self.positions, self.slots = self.inputs.unbind(0)
         self.attention = runner._make_backend(runner.backend, graph_segments=segments)
         self.attention.meta = AttentionMetadata(self.slots, None)  # planned before each replay
         self.scratch_page = runner.scratch_page
@@ -68,17 +74,24 @@ class CapturedForward:
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
+            # a kernel, not a memcpy node: the source is host memory the GPU reads at its host address
+            torch.add(self.staged_on_device.view(3, tokens), 0, out=self.inputs)
             self.hidden = model(self.input_ids, self.positions, self.attention)
 
-    def load(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, segments: Segments) -> None:
-        """Inputs in place and the attention plan of the next replay."""
+    def load(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, segments: Segments) -> None:
+        """The next replay's inputs, written where the graph reads them (positions and slots only
+        when the rows are not the last load's), and its attention plan."""
         n = ids.shape[0]
-        self.input_ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        if n < self.slots.shape[0]:
-            self.slots[n:].copy_(self.scratch_slots[n:])  # padding writes K/V only to the scratch page
-        self.attention.plan(segments.padded(self.segments - segments.num_segments, self.scratch_page))
+        padded = segments.padded(self.segments - segments.num_segments, self.scratch_page)
+        staged = self.staged
+        staged[0, :n] = ids
+        staged[0, n:] = 0
+        if self.loaded is not padded:
+            self.loaded = None  # half-written rows must not pass for these segments
+            staged[1, :n], staged[2, :n] = positions, slots
+            staged[1:, n:] = self.padding[1:, n:]
+            self.loaded = padded
+        self.attention.plan(padded)
 
     def replay(self, num_tokens: int) -> torch.Tensor:
         self.graph.replay()
@@ -92,6 +105,7 @@ class GraphRunner:
         self.runner = runner
         self.mode = mode
         self.sizes = sorted(set(segment_sizes))
+        self._chunks_key = ("graph_chunks", mode, tuple(self.sizes))
         self.graphs: dict[int, CapturedForward] = {}
         self.num_replays = 0
         self.num_eager = 0
@@ -105,29 +119,39 @@ class GraphRunner:
         log.info("captured %d forward graphs for %s segments (%s) in %.1f s using %.2f GiB", len(self.graphs),
                  self.sizes, mode, time.perf_counter() - started, (free_before - free_after) / 2**30)
 
-    def can_run(self, segments: Segments) -> bool:
-        return plan_chunks(segments.row_segments, self.sizes, self.mode) is not None
+    def chunks(self, segments: Segments) -> Optional[list[tuple[int, int]]]:
+        """plan_chunks of these segments (kept with them: the same rows plan once)."""
+        return segments.memo(self._chunks_key, lambda: plan_chunks(segments.row_segments, self.sizes, self.mode))
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, segments: Segments
-            ) -> torch.Tensor:
-        """hidden [T, H] of the batch (every row must be `can_run`)."""
+    def can_run(self, segments: Segments) -> bool:
+        return self.chunks(segments) is not None
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, segments: Segments
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [T, H], the input ids on the device) of the batch (every row must be `can_run`)."""
         bl = self.runner.block_length
-        chunks = plan_chunks(segments.row_segments, self.sizes, self.mode)
+        chunks = self.chunks(segments)
         self.num_replays += 1
-        parts, row, tok = [], 0, 0
+        parts, part_ids, replayed, row, tok = [], [], set(), 0, 0
         for taken, size in chunks:
             chunk = segments if len(chunks) == 1 else segments.rows_range(row, row + taken)
             n = chunk.num_segments * bl
             graph = self.graphs[size]
+            if size in replayed:  # a size serving two chunks: its replay must have read what it staged
+                self.runner.staging.wait_read()
             graph.load(ids[tok:tok + n], positions[tok:tok + n], slots[tok:tok + n], chunk)
             if not parts:  # the GPU waits for the first plan; later chunks plan while it runs
                 self.runner.launched_at = time.perf_counter()
             hidden = graph.replay(n)
+            self.runner.staging.queued_read()
+            replayed.add(size)
             if len(chunks) == 1:
-                return hidden
-            parts.append(hidden.clone())  # graphs share one pool: copy out before the next replay
+                return hidden, graph.input_ids[:n]
+            # graphs share one pool: copy out before the next replay
+            parts.append(hidden.clone())
+            part_ids.append(graph.input_ids[:n].clone())
             row, tok = row + taken, tok + n
-        return torch.cat(parts)
+        return torch.cat(parts), torch.cat(part_ids)
 
     def release(self) -> None:
         torch.cuda.synchronize(self.runner.device)

@@ -1,8 +1,8 @@
 """The only owner of device tensors: weights, KV pages, step state, CUDA graphs, the forward, the
 logits head and the decode step.
 
-`run(batch)` = prepare (host arrays, numpy) -> execute (one host->device copy, the forward through
-a graph or eagerly, logits at the positions decoders need) -> decode (on the device) -> one
+`run(batch)` = prepare (host arrays, numpy) -> execute (the inputs in one host->device copy, into a
+graph's own buffer when one replays; the forward; logits at the positions decoders need) -> decode (on the device) -> one
 device->host copy of the new blocks. TP workers receive StepInputs and call `execute` alone.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAtte
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
+from fluxlab.engine.staging import HostStaging
 from fluxlab.engine.step_state import StepState
 
 log = logging.getLogger("fluxlab.engine")
@@ -128,8 +129,7 @@ class ModelRunner:
         # perf_counter() when the last forward was launched and when its results reached the host:
         # the host time a step costs the GPU is (launch - step start) + (step end - results).
         self.launched_at = self.results_at = 0.0
-        self._staging = torch.empty(0, dtype=torch.long)
-        self._on_cuda = device.type == "cuda"
+        self.staging = HostStaging(device)
         self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         self._iota = np.arange(0)  # 0, 1, 2, ...: read-only views instead of a new arange each step
         self._rows: Optional[RowArrays] = None  # the last batch's, for a batch of the same rows
@@ -271,20 +271,6 @@ class ModelRunner:
         rows.owners = np.stack([seats.serial[seat], seats.active_block[seat]], axis=1)
         return rows
 
-    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """One host->device copy of int64 arrays through a pinned staging buffer."""
-        sizes = [a.shape[0] for a in arrays]
-        if not self._on_cuda:  # the tensors are the host arrays themselves: one fresh concatenation
-            return torch.from_numpy(np.concatenate(arrays)).split_with_sizes(sizes)
-        total = sum(sizes)
-        if self._staging.shape[0] < total:
-            self._staging = torch.empty(max(total, 2 * self._staging.shape[0]), dtype=torch.long, pin_memory=True)
-            self._staging_np = self._staging.numpy()
-        np.concatenate(arrays, out=self._staging_np[:total])
-        # Safe to reuse next step: each step ends on a device->host copy ordered after this one.
-        packed = self._staging[:total].to(self.device, non_blocking=True)
-        return packed.split_with_sizes(sizes)  # no torch.split wrapper: ~2 µs a step
-
     # --- the forward ---
     def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
         """One forward over every row and the decode step of its decoding rows."""
@@ -308,20 +294,23 @@ class ModelRunner:
         uploaded)."""
         bl = self.block_length
         segments = inputs.plan_segments()
-        ids, pos, slots, logit_index, *extra_dev = self._upload(
-            [inputs.token_ids.astype(np.int64, copy=False), inputs.positions, segments.slot_mapping(bl),
-             inputs.logit_index, *extra])
-        # launched_at: after the attention plan (host work the GPU waits for), before the forward
+        token_ids, slots = inputs.token_ids.astype(np.int64, copy=False), segments.slot_mapping(bl)
+        self.staging.begin()
         if self.graphs is not None and self.graphs.can_run(segments):
             self.num_graph_forwards += 1
-            hidden = self.graphs.run(ids, pos, slots, segments)  # sets launched_at between plan and replay
+            # the graph reads its inputs from the host (staging.py); the rest is uploaded while it runs
+            hidden, ids = self.graphs.run(token_ids, inputs.positions, slots, segments)
+            logit_index, *extra_dev = self.staging.upload([inputs.logit_index, *extra])
         else:
             self.num_eager_forwards += 1
+            ids, pos, slots_dev, logit_index, *extra_dev = self.staging.upload(
+                [token_ids, inputs.positions, slots, inputs.logit_index, *extra])
             if self.backend == "sdpa":
                 meta = build_metadata(segments, bl, self.device, dense=True)
             else:
-                meta = AttentionMetadata(slots, segments)
+                meta = AttentionMetadata(slots_dev, segments)
             self.attention.begin(meta)
+            # launched_at: after the attention plan (host work the GPU waits for), before the forward
             self.launched_at = time.perf_counter()
             hidden = self.model(ids, pos, self.attention)
         num_greedy = inputs.num_greedy
