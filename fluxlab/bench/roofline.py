@@ -177,6 +177,8 @@ def main() -> None:
                     help="variants timed for TTFT instead of decode (+prefill: prefill graphs of --prefill-tokens)")
     ap.add_argument("--concurrency", type=int, default=16, help="prompts submitted at once for the TTFT variants")
     ap.add_argument("--prefill-tokens", default="1024,2048,4096", help="prefill graph capture sizes (tokens)")
+    ap.add_argument("--ttft-prompt-tokens", type=int, default=0,
+                    help="TTFT prompts of this many tokens (GSM8K prompts joined end to end); 0: the prompts as they are")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -185,8 +187,9 @@ def main() -> None:
     overrides = ([f"decoding={args.decoding}"] if args.decoding else []) + [
                  f"model={args.preset}", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
                  f"decoding.block_length={args.block}", f"decoding.steps={args.steps}", "attention=sdpa",
-                 f"scheduler.max_num_seqs={max_bs}", f"scheduler.max_scheduled_tokens={max_bs * args.block * 2}",
-                 "model.max_model_len=1024",
+                 f"scheduler.max_num_seqs={max_bs}",
+                 f"scheduler.max_scheduled_tokens={max(max_bs * args.block * 2, args.ttft_prompt_tokens)}",
+                 f"model.max_model_len={max(1024, args.ttft_prompt_tokens + 2 * args.block)}",
                  "scheduler.enable_prefix_cache=false"]  # repeated prompts must prefill again (TTFT trials)
     if args.moe_backend:
         overrides.append(f"engine.moe_backend={args.moe_backend}")
@@ -274,13 +277,18 @@ def main() -> None:
         decode_segments = {n for b in capture_bs for n in (b, 2 * b)}
         decode_segments |= ladder_sizes(max(decode_segments))
         ttft_prompts = prompts[:conc]
+        if args.ttft_prompt_tokens:  # long prompts: each one GSM8K prompts joined until it is long enough
+            n = args.ttft_prompt_tokens
+            joined = [t for p in prompts for t in p]
+            joined *= (n + 97 * conc) // len(joined) + 1
+            ttft_prompts = [joined[i * 97:i * 97 + n] for i in range(conc)]  # different starts: no shared prefix
         segments = sum(len(p) // args.block + 1 for p in ttft_prompts)
         mean_len = statistics.mean(len(p) for p in ttft_prompts)
         prefill_floor = decode_floor(engine.model_config, segments, args.block, mean_len / 2, ceilings)["floor_ms"]
         step_floor = decode_floor(engine.model_config, conc, args.block, mean_len, ceilings)["floor_ms"]
         ttft_floor = prefill_floor + (args.steps - 1) * step_floor  # prefill (+ first step), then steps - 1 more
-        results["ttft"] = {"concurrency": conc, "prefill_segments": segments, "floor_ms": ttft_floor,
-                           "prefill_floor_ms": prefill_floor, "rows": []}
+        results["ttft"] = {"concurrency": conc, "prompt_tokens": mean_len, "prefill_segments": segments,
+                           "floor_ms": ttft_floor, "prefill_floor_ms": prefill_floor, "rows": []}
         for variant in filter(None, args.ttft_variants.split(",")):
             try:
                 run_engine = variant_engine(variant, decode_segments)
