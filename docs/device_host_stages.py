@@ -17,11 +17,13 @@ validate_config(cfg)
 eng = LLMEngine(cfg)
 acc = collections.defaultdict(float)
 cnt = collections.Counter()
+calls = collections.defaultdict(list)  # per call, for medians (means carry the block commits)
 def wrap(obj, name, label):
     fn = getattr(obj, name)
     @functools.wraps(fn)
     def w(*a, **k):
-        t = time.perf_counter(); r = fn(*a, **k); acc[label] += time.perf_counter() - t; cnt[label] += 1; return r
+        t = time.perf_counter(); r = fn(*a, **k); d = time.perf_counter() - t
+        acc[label] += d; cnt[label] += 1; calls[label].append(d); return r
     setattr(obj, name, w)
 wrap(sched_mod.Scheduler, "schedule", "schedule")
 wrap(sched_mod.Scheduler, "postprocess", "postprocess")
@@ -53,7 +55,7 @@ top_up()
 for _ in range(40):
     eng.step(); top_up()
 torch.cuda.synchronize()
-acc.clear(); cnt.clear()
+acc.clear(); cnt.clear(); calls.clear()
 runner = eng.runner
 hosts = []
 N = 120
@@ -63,6 +65,7 @@ for _ in range(N):
     t1 = time.perf_counter()
     top_up()
     hosts.append(1e3 * ((runner.launched_at - t0) + (t1 - runner.results_at)))
-print(f"bs={bs} {policy} {backend}: host ms/step median {statistics.median(hosts):.3f} mean {statistics.mean(hosts):.3f}; per stage (ms/step, calls):")
+print(f"bs={bs} {policy} {backend}: host ms/step median {statistics.median(hosts):.3f} mean {statistics.mean(hosts):.3f}; "
+      "per stage (ms/step mean, median call ms, calls):")
 for k in acc:
-    print(f"   {k:26s} {1e3 * acc[k] / N:7.3f}  ({cnt[k]})")
+    print(f"   {k:36s} {1e3 * acc[k] / N:7.3f}  {1e3 * statistics.median(calls[k]):7.3f}  ({cnt[k]})")

@@ -66,8 +66,7 @@ class RowArrays:
 
     slots: np.ndarray  # the batch's own arrays (checked by identity before a reuse)
     first_block: np.ndarray
-    block_seat: np.ndarray  # [S] each query block's seat
-    query_block: np.ndarray  # [S] its block in that seat's canvas
+    block_row: np.ndarray  # [S] each query block's row of seats.block_rows (its seat's, its block)
     segments: Segments
     positions: np.ndarray  # [T]
     tp_rows: Optional[list] = None  # StepInputs.rows and .seats (TP only)
@@ -199,7 +198,7 @@ class ModelRunner:
         if not (batch.same_rows and rows is not None and rows.slots is batch.slots
                 and rows.first_block is batch.first_block):
             rows = self._rows = self._row_arrays(batch)
-        token_ids = seats.blocks[rows.block_seat, rows.query_block].ravel()
+        token_ids = seats.block_rows.take(rows.block_row, axis=0).ravel()
         if rows.seat is None:  # no row decodes (prefill chunks only)
             return StepInputs(token_ids, rows.positions, rows.tp_rows, np.zeros(0, dtype=np.int64),
                               seats=rows.tp_seats, segments=rows.segments), None
@@ -234,7 +233,7 @@ class ModelRunner:
         # Each query block's request's page table, from the seats' mirror (not the requests' lists)
         segments = Segments(seats.pages[block_seat], query_block + 1, num)
         positions = self._block_rows(int(seats.max_blocks))[query_block].ravel()
-        rows = RowArrays(slots, first, block_seat, query_block, segments, positions)
+        rows = RowArrays(slots, first, block_seat * seats.max_blocks + query_block, segments, positions)
         if self.on_step is not None:  # TP: the step channel sends rows, keyed by (seat, serial)
             rows.tp_rows = list(zip(first.tolist(), num.tolist(), batch.decodes.tolist(),
                                     [r.page_table for r in batch.requests]))
@@ -368,6 +367,7 @@ class ModelRunner:
         if result.log is not None:
             parts += [result.log, result.logged[:, None].long()]
         host = torch.cat(parts, dim=1).cpu().numpy()  # the step's one device->host copy
+        self.staging.drained()  # (so the next step need not wait on the staging event: ~20 µs)
         self.results_at = time.perf_counter()
         at = bl + 3 + len(names)
         out = StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),

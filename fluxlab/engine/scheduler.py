@@ -188,10 +188,12 @@ class Scheduler:
                 # Their K/V is written now, from their final tokens: other requests may share it.
                 for i in commits.nonzero()[0].tolist():
                     self.block_manager.cache_blocks(batch.requests[i], int(first[i]), int(first[i] + commits[i]))
-        changed = (seats.decoding[slots] != decodes).nonzero()[0].tolist()
-        for i in changed:
-            batch.requests[i].state = RequestState.DECODING if decodes[i] else RequestState.PREFILLING
-        seats.decoding[slots] = decodes
+        changed = []  # the last batch's rows again: every one decoded then and decodes now
+        if not batch.same_rows:
+            changed = (seats.decoding[slots] != decodes).nonzero()[0].tolist()
+            for i in changed:
+                batch.requests[i].state = RequestState.DECODING if decodes[i] else RequestState.PREFILLING
+            seats.decoding[slots] = decodes
         if out is None:
             return []
         rows = decodes.nonzero()[0]

@@ -82,6 +82,10 @@ class HostStaging:
         self.queued_read()
         return packed.split_with_sizes(sizes)  # no torch.split wrapper: ~2 µs a step
 
+    def drained(self) -> None:
+        """The host has waited for the stream (a device->host copy behind every queued read)."""
+        self.in_flight = False
+
     def queued_read(self) -> None:
         """The GPU work queued so far reads staged memory: the next step waits for it."""
         if self.on_cuda:

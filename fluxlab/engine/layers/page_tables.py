@@ -48,23 +48,23 @@ class PageTableAttention:
         if graph_segments:
             self.page_table = torch.zeros(graph_segments, max_blocks_per_seq, dtype=torch.int32, device=device)
             self.seqused_k = torch.full((graph_segments,), self.block_length, dtype=torch.int32, device=device)
-        self.planned: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # what the graph buffers hold
+        self.planned: Optional[Segments] = None  # the segments whose tables the graph buffers hold
         self.meta: Optional[AttentionMetadata] = None
 
     def plan(self, segments: Segments) -> None:
         """Host-side tables of the next forward (outside any CUDA graph)."""
+        if self.graph_segments and self.planned is segments:  # only this graph writes its buffers
+            return
         width = self.max_pages if self.graph_segments else int(segments.windows.max())
         # (host tables, kept with the segments: a batch of the same rows plans from them again)
-        planned = segments.memo(("page_tables", width, self.block_length), lambda: self._plan_tensors(segments, width))
-        table, tokens = planned
+        table, tokens = segments.memo(("page_tables", width, self.block_length),
+                                      lambda: self._plan_tensors(segments, width))
         if self.graph_segments:
             assert table.shape[0] == self.graph_segments, (table.shape, self.graph_segments)
-            if self.planned is planned:  # only this graph writes its buffers: they hold these tables
-                return
             self.planned = None  # a copy that raises leaves the buffers in no known state
             self.page_table.copy_(table, non_blocking=True)
             self.seqused_k.copy_(tokens, non_blocking=True)
-            self.planned = planned
+            self.planned = segments
         else:
             self.page_table = table.to(self.device, non_blocking=True)
             self.seqused_k = tokens.to(self.device, non_blocking=True)
