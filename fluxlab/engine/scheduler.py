@@ -24,7 +24,7 @@ import numpy as np
 
 from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.request import RequestOutput, RequestState
-from fluxlab.engine.seats import UNFOLDED, Seats
+from fluxlab.engine.seats import COUNTED, UNFOLDED, Seats
 from fluxlab.engine.sequence import Request
 
 
@@ -136,6 +136,7 @@ class Scheduler:
         # _repeat_same: it is the last batch itself (same blocks too), not its rows' active blocks.
         self._repeat: Optional[ScheduledBatch] = None
         self._repeat_same = False
+        self._added = np.ones((0, len(COUNTED)), dtype=np.int64)  # what postprocess adds to seats.counts, per row
         self.num_steps = 0
 
     def add(self, request: Request) -> None:
@@ -206,10 +207,11 @@ class Scheduler:
             written = seats.blocks[seat[final], active[final]]
             kv_written = ((written == out.blocks[final]).all(axis=1) & self.decode_writes_kv).tolist()
         seats.blocks[seat, active] = out.blocks
-        seats.forwards[seat] += 1
-        seats.tokens_accepted[seat] += out.filled
-        seats.tokens_edited[seat] += out.edited
-        seats.forwards_in_block[seat] += 1
+        if self._added.shape[0] < seat.shape[0]:
+            self._added = np.ones((2 * seat.shape[0], len(COUNTED)), dtype=np.int64)
+        added = self._added[:seat.shape[0]]  # columns 0 and 1 stay 1: forwards, forwards in the block
+        added[:, 2], added[:, 3] = out.filled, out.edited
+        seats.counts[seat] += added
         if out.state_matrix is not None:
             seats.state[seat] = out.state_matrix
         elif seats.state_names:  # a runner that reports only its decoders' state (the canvas runner: none)

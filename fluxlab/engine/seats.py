@@ -25,6 +25,8 @@ from fluxlab.engine.sequence import SEATED, Request
 PROGRESS = SEATED
 # Per-seat work done since the last fold into request.stats (at a block commit and at release).
 UNFOLDED = ("forwards", "tokens_accepted", "tokens_edited")
+# Seats.counts' columns: a decoding forward adds 1, 1, its accepted and its edited tokens.
+COUNTED = ("forwards", "forwards_in_block", "tokens_accepted", "tokens_edited")
 
 
 class Seats:
@@ -41,7 +43,12 @@ class Seats:
         self.blocks = self.tokens.reshape(num_seats, max_blocks, block_length)
         # and as one row per (seat, block): a 1-d `take` of seat * max_blocks + block gathers fastest
         self.block_rows = self.tokens.reshape(num_seats * max_blocks, block_length)
-        for name in PROGRESS + UNFOLDED:
+        # What each decoding forward adds to, one row per seat (postprocess: one read-modify-write);
+        # the named counters are its columns.
+        self.counts = np.zeros((num_seats, len(COUNTED)), dtype=np.int64)
+        for j, name in enumerate(COUNTED):
+            setattr(self, name, self.counts[:, j])
+        for name in set(PROGRESS + UNFOLDED) - set(COUNTED):
             setattr(self, name, np.zeros(num_seats, dtype=np.int64))
         self.decoding = np.zeros(num_seats, dtype=bool)  # state is DECODING (its last row decoded)
         self.state = np.zeros((num_seats, len(self.state_names)), dtype=np.int64)
