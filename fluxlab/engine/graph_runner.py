@@ -1,11 +1,12 @@
 """CUDA graphs of the model body keyed by padded segment count: one graph runner for every batch.
 
 A forward is a list of query segments of exactly block_length tokens each (a row of n blocks is n
-segments: the attention backend, FlashInfer or FA4, plans each block over pages 0..itself), so a
-graph captured for S segments replays any batch of at most S segments whatever its mix: decode rows
-(1 segment), commit + decode rows (2), prefill chunks (n), any row count. Padding segments read and write a scratch page. The
-graph ends at the last hidden state; the logits head runs after it on only the positions the
-decoders need, whose count changes every step.
+segments: the attention backend plans each block over pages 0..itself), so a graph captured for S
+segments replays any batch of at most S segments whatever its mix: decode rows (1 segment), commit +
+decode rows (2), prefill chunks (n), any row count. Padding segments read and write a scratch page.
+A graph starts by reading its inputs from host memory the runner wrote (staging.py) and ends at
+the last hidden state; the logits head runs after it on only the positions the decoders need,
+whose count changes every step.
 """
 from __future__ import annotations
 

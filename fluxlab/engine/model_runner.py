@@ -1,9 +1,10 @@
 """The only owner of device tensors: weights, KV pages, step state, CUDA graphs, the forward, the
 logits head and the decode step.
 
-`run(batch)` = prepare (host arrays, numpy) -> execute (the inputs in one host->device copy, into a
-graph's own buffer when one replays; the forward; logits at the positions decoders need) -> decode (on the device) -> one
-device->host copy of the new blocks. TP workers receive StepInputs and call `execute` alone.
+`run(batch)` = prepare (host arrays, numpy) -> execute (the inputs: read by a replaying graph from
+host memory, else one host->device copy; the forward; logits at the positions decoders need) ->
+decode (on the device) -> one device->host copy of the new blocks. TP workers receive StepInputs
+and call `execute` alone.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The step's host->device traffic, through pinned int64 memory the runner owns.
 
-On this host a CUDA call costs tens of microseconds (a copy, an event, a launch), and the GPU idles
-while the host makes them between two forwards. So a graph's inputs make none: each graph owns a
+A CUDA call costs the host 30-130 µs on the H200 machine measured (a copy, an event, a launch;
+docs/benchmarks.md §17), and the GPU idles while the host makes them between two forwards. So a
+graph's inputs make none: each graph owns a
 pinned region mapped into the GPU's address space (`mapped`), the host writes the next inputs
 there with numpy and the graph's first kernel reads them. What the rest of a step needs (eager
 inputs, the decode step's indices, uploaded after the launch) goes through one transient buffer
