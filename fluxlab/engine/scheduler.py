@@ -211,7 +211,9 @@ class Scheduler:
             self._added = np.ones((2 * seat.shape[0], len(COUNTED)), dtype=np.int64)
         added = self._added[:seat.shape[0]]  # columns 0 and 1 stay 1: forwards, forwards in the block
         added[:, 2], added[:, 3] = out.filled, out.edited
-        seats.counts[seat] += added
+        counted = seats.counts.take(seat, axis=0)  # (take, add, write back: 1.5x faster than fancy +=)
+        counted += added
+        seats.counts[seat] = counted
         if out.state_matrix is not None:
             seats.state[seat] = out.state_matrix
         elif seats.state_names:  # a runner that reports only its decoders' state (the canvas runner: none)
