@@ -60,7 +60,7 @@ def test_every_recipe_composes_and_validates(recipe):
 
 def test_recipe_overrides_groups_and_keys():
     cfg, _ = valid(["recipe=llada2_mini_h200"], cuda=True)
-    assert cfg.model.name == "llada2_mini" and cfg.attention.backend == "flashinfer"
+    assert cfg.model.name == "llada2_mini" and cfg.attention.backend == "triton"
     assert cfg.decoding.block_length == 32 and cfg.attention.use_decode_cuda_graph
     cfg, _ = valid(["recipe=llada21_mini_speed"])
     assert (cfg.decoding.decoder, cfg.decoding.threshold, cfg.decoding.editing_threshold) == ("joint_threshold", 0.5, 0.0)
