@@ -12,17 +12,7 @@ import torch
 from fluxlab.engine.layers.page_tables import segment_tables
 from fluxlab.engine.layers.attention_flashinfer import plan_indices
 from fluxlab.engine.layers.segments import Segments
-
-
-def random_rows(num_rows: int, num_pages: int, rng: random.Random, max_blocks: int = 3):
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    rows = []
-    for _ in range(num_rows):
-        first = rng.randrange(0, 4)
-        n = rng.choice([1, 1, 2, max_blocks])  # decode, commit + decode, a prefill chunk
-        rows.append((first, n, [pages.pop() for _ in range(first + n)]))
-    return rows
+from backend_helpers import graph_replays_and_eager, random_rows
 
 
 def test_segment_tables_hold_the_pages_flashinfer_plans():
@@ -161,35 +151,11 @@ def test_fa4_graph_replay_follows_new_rows():
     """A captured FA4 call reads its page table and lengths from fixed buffers: replays with other
     rows (fewer real segments, the rest padding) give the eager call's output."""
     _fa4()
-    from fluxlab.engine.layers.attention import AttentionMetadata, build_metadata
     from fluxlab.engine.layers.attention_fa4 import Fa4Attention
 
-    device, bl, segs = torch.device("cuda"), 32, 8
-    rows = random_rows(4, 60, random.Random(7), max_blocks=2)  # <= 6 segments in 3 rows: padding left
-    (eager_cache, graph_cache), (q, k, v) = _paged_case([(0, segs, [0] * segs)])
-    eager = Fa4Attention(eager_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8)
-    graphed = Fa4Attention(graph_cache, device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8,
-                           graph_segments=segs)
-    slots = torch.arange(63 * bl, 64 * bl, device=device).repeat(segs)
-    graphed.meta = AttentionMetadata(slots, None)
-    graphed.plan(Segments.scratch(segs, 63))
-    graphed.forward(0, q, k, v)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graphed.forward(0, q, k, v)
-    for trial in range(2):
-        trial_rows = rows[:2 + trial]
-        n = sum(r[1] for r in trial_rows)
-        meta = build_metadata(Segments.of_rows(trial_rows), bl, device, dense=False)
-        eager.begin(meta)
-        want = eager.forward(0, q[:n * bl], k[:n * bl], v[:n * bl])
-        slots[:n * bl].copy_(meta.slot_mapping)
-        slots[n * bl:] = torch.arange(63 * bl, 64 * bl, device=device).repeat(segs - n)
-        graphed.plan(Segments.of_rows(trial_rows).padded(segs - n, 63))
-        graph.replay()
+    for replayed, eager in graph_replays_and_eager(Fa4Attention):
         # the same kernel on another batch shape: equal up to a bf16 rounding step
-        torch.testing.assert_close(out[:n * bl], want, rtol=0, atol=2e-2)
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=2e-2)
 
 
 @pytest.mark.gpu

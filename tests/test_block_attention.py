@@ -14,22 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from backend_helpers import graph_replays_and_eager, random_rows  # noqa: E402
 from triton_helpers import run_interpreter_checks  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def random_rows(num_rows: int, num_pages: int, rng: random.Random, max_blocks: int = 3):
-    """(first_block, num_blocks, page_table) rows on distinct pages: decode (1 block), commit +
-    decode (2), prefill chunks (max_blocks), after 0-3 cached blocks."""
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    rows = []
-    for _ in range(num_rows):
-        first = rng.randrange(0, 4)
-        n = rng.choice([1, 1, 2, max_blocks])
-        rows.append((first, n, [pages.pop() for _ in range(first + n)]))
-    return rows
 
 
 def compare_with_sdpa(device: torch.device, dtype: torch.dtype, bl: int, heads: int, kv_heads: int, dim: int,
@@ -111,15 +99,13 @@ def test_the_kernel_refuses_shapes_it_cannot_tile():
 
 # ---------------------------------------------------------------------------------------------- GPU
 
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("graph_segments", [0, 24])
 def test_triton_matches_sdpa_on_gpu(graph_segments):
-    _cuda()
     cuda = torch.device("cuda")
     got, want = compare_with_sdpa(cuda, torch.bfloat16, 32, 16, 4, 128, graph_segments)
     got, want = got.float(), want.float()
@@ -130,53 +116,21 @@ def test_triton_matches_sdpa_on_gpu(graph_segments):
 
 
 @pytest.mark.gpu
+@requires_cuda
 def test_triton_graph_replay_follows_new_rows():
     """A captured kernel reads its page table and key counts from fixed buffers: replays with other
     rows (fewer real segments, the rest padding) give the eager call's output bit for bit."""
-    _cuda()
-    from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, build_metadata
     from fluxlab.engine.layers.attention_triton import TritonAttention
-    from fluxlab.engine.layers.segments import Segments
 
-    device, bl, segs = torch.device("cuda"), 32, 8
-    gen = torch.Generator(device=device).manual_seed(0)
-    caches = [KVCache(1, 64, bl, 4, 128, torch.bfloat16, device) for _ in range(2)]
-    caches[0].k.normal_(generator=gen)
-    caches[0].v.normal_(generator=gen)
-    caches[1].k.copy_(caches[0].k)
-    caches[1].v.copy_(caches[0].v)
-    q, k, v = (torch.randn(segs * bl, h, 128, dtype=torch.bfloat16, device=device, generator=gen) for h in (16, 4, 4))
-    eager = TritonAttention(caches[0], device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8)
-    graphed = TritonAttention(caches[1], device, num_qo_heads=16, head_dim=128, max_blocks_per_seq=8,
-                              graph_segments=segs)
-    slots = torch.arange(63 * bl, 64 * bl, device=device).repeat(segs)
-    graphed.meta = AttentionMetadata(slots, None)
-    graphed.plan(Segments.scratch(segs, 63))
-    graphed.forward(0, q, k, v)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graphed.forward(0, q, k, v)
-    rows = random_rows(4, 60, random.Random(7), max_blocks=2)
-    for trial in range(2):
-        trial_rows = rows[:2 + trial]
-        n = sum(r[1] for r in trial_rows)
-        meta = build_metadata(Segments.of_rows(trial_rows), bl, device, dense=False)
-        eager.begin(meta)
-        want = eager.forward(0, q[:n * bl], k[:n * bl], v[:n * bl])
-        graphed.meta.slot_mapping[:n * bl].copy_(meta.slot_mapping)
-        graphed.meta.slot_mapping[n * bl:].copy_(slots[n * bl:])
-        graphed.plan(Segments.of_rows(trial_rows).padded(segs - n, 63))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[:n * bl], want)
+    for replayed, eager in graph_replays_and_eager(TritonAttention):
+        assert torch.equal(replayed, eager)
 
 
 @pytest.mark.gpu
+@requires_cuda
 def test_triton_engine_at_fp32_gives_the_sdpa_tokens_and_graphs_the_eager_tokens():
     """fp32 on the GPU: attention=triton (eager) gives attention=sdpa's tokens on a batch, and in
     bf16 its CUDA graphs give its eager tokens, paged and dynamic."""
-    _cuda()
     from fluxlab.engine.request import SamplingParams
     from fluxlab.llm import LLM
 

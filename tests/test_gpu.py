@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from backend_helpers import random_rows
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -12,18 +13,6 @@ pytestmark = [pytest.mark.gpu,
 
 def _flashinfer():
     return pytest.importorskip("flashinfer")
-
-
-def random_rows(num_rows: int, num_pages: int, rng: random.Random):
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    rows = []
-    for _ in range(num_rows):
-        first = rng.randrange(0, 4)
-        n = rng.choice([1, 1, 2, 3])
-        table = [pages.pop() for _ in range(first + n)]
-        rows.append((first, n, table))
-    return rows
 
 
 def test_flashinfer_matches_sdpa_on_random_paged_inputs():
