@@ -159,13 +159,15 @@ def test_every_engine_forward_plans_what_its_rows_page_tables_give(monkeypatch, 
     engine = llm.engine
     runner = engine.runner
     seen = {"forwards": 0, "multi_block": 0, "single": 0, "shared": 0, "same_rows": 0}
-    prepare = runner.prepare
+    prepare_decode = runner.prepare_decode
 
-    def checked_prepare(batch):
-        inputs, decode_inputs = prepare(batch)
+    def checked_prepare(batch, inputs):  # the step's second half: inputs has every field now
+        decode_inputs = prepare_decode(batch, inputs)
         if batch.same_rows:  # what prepare reused from the last batch equals what it derives afresh
             seen["same_rows"] += 1
-            fresh, fresh_decode = prepare(dataclasses.replace(batch, same_rows=False))
+            afresh = dataclasses.replace(batch, same_rows=False)
+            fresh = runner.prepare_forward(afresh)
+            fresh_decode = prepare_decode(afresh, fresh)
             assert_same_inputs(inputs, decode_inputs, fresh, fresh_decode)
         rows = [(f, n, list(r.page_table)) for r, f, n in zip(batch.requests, batch.first_block.tolist(),
                                                                batch.num_blocks.tolist())]
@@ -175,9 +177,9 @@ def test_every_engine_forward_plans_what_its_rows_page_tables_give(monkeypatch, 
         seen["single"] += int(batch.single_blocks)
         pages = [p for _, _, t in rows for p in t]
         seen["shared"] += int(len(pages) != len(set(pages)))
-        return inputs, decode_inputs
+        return decode_inputs
 
-    monkeypatch.setattr(runner, "prepare", checked_prepare)
+    monkeypatch.setattr(runner, "prepare_decode", checked_prepare)
     shared = prompts(llm, [3 * BL + 5], seed=11)[0]
     batch = [shared + p for p in prompts(llm, [3, BL + 7, 9], seed=12)] + prompts(llm, [2 * BL + 3, 5], seed=13)
     params = SamplingParams(max_new_tokens=2 * BL, ignore_eos=True)
@@ -238,8 +240,9 @@ def test_a_wrapper_replans_only_when_the_shared_int_buffer_holds_another_plan(mo
 
 
 def test_an_fa4_graph_rewrites_its_tables_only_for_other_segments(monkeypatch):
-    """A graph's FA4 page table and lengths are its own buffers: the same segments again (a block's
-    decode steps) leave them as they are, other segments rewrite them."""
+    """A graph's FA4 page table and lengths: the host writes them into its own mapped tables, which
+    the graph's first kernel copies into the buffers the attention reads. The same segments again
+    (a block's decode steps) leave the host tables as they are, other segments rewrite them."""
     from fluxlab.engine.layers.attention_fa4 import Fa4Attention
 
     cute = types.ModuleType("flash_attn.cute")
@@ -249,12 +252,19 @@ def test_an_fa4_graph_rewrites_its_tables_only_for_other_segments(monkeypatch):
     cache = types.SimpleNamespace(block_length=BL)
     graph = Fa4Attention(cache, torch.device("cpu"), num_qo_heads=2, head_dim=8, max_blocks_per_seq=3, graph_segments=2)
     first, other = Segments.of_rows([(0, 1, [3]), (1, 1, [5, 6])]), Segments.of_rows([(0, 2, [4, 2])])
+
+    def copied_in() -> tuple[list, list]:
+        graph.page_table.fill_(-1)
+        graph.seqused_k.fill_(-1)
+        graph.copy_plan_in()  # what the graph's first kernel does
+        return graph.page_table.tolist(), graph.seqused_k.tolist()
+
     graph.plan(first)
-    assert graph.page_table.tolist() == [[3, 0, 0], [5, 6, 0]] and graph.seqused_k.tolist() == [BL, 2 * BL]
-    graph.page_table.fill_(9)  # marks the buffer: a skipped plan leaves the mark
+    assert copied_in() == ([[3, 0, 0], [5, 6, 0]], [BL, 2 * BL])
+    graph._host_plan.fill(9)  # marks the host tables: a skipped plan leaves the mark
     graph.plan(first)
-    assert graph.page_table.tolist() == [[9] * 3] * 2
+    assert copied_in() == ([[9] * 3] * 2, [9, 9])
     graph.plan(other)
-    assert graph.page_table.tolist() == [[4, 0, 0], [4, 2, 0]] and graph.seqused_k.tolist() == [BL, 2 * BL]
+    assert copied_in() == ([[4, 0, 0], [4, 2, 0]], [BL, 2 * BL])
     graph.plan(first)
-    assert graph.page_table.tolist() == [[3, 0, 0], [5, 6, 0]]
+    assert copied_in() == ([[3, 0, 0], [5, 6, 0]], [BL, 2 * BL])

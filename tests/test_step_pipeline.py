@@ -95,10 +95,10 @@ def test_logits_only_at_positions_a_decoder_may_write(llm, monkeypatch, decoder)
     engine = llm.engine
     runner = engine.runner
     seen = []
-    original = runner.prepare
+    original = runner.prepare_decode
 
-    def recording_prepare(batch):
-        inputs, decode_inputs = original(batch)
+    def recording_prepare(batch, inputs):
+        decode_inputs = original(batch, inputs)
         if decode_inputs is not None:
             expected = 0
             for request in decode_inputs.requests:
@@ -109,9 +109,9 @@ def test_logits_only_at_positions_a_decoder_may_write(llm, monkeypatch, decoder)
                 else:
                     expected += int(((torch.from_numpy(block.copy()) == engine.mask_id) & editable).sum())
             seen.append((inputs.logit_index.shape[0], expected))
-        return inputs, decode_inputs
+        return decode_inputs
 
-    monkeypatch.setattr(runner, "prepare", recording_prepare)
+    monkeypatch.setattr(runner, "prepare_decode", recording_prepare)
     check_parity(llm, prompts(llm, [7, 20], seed=3), [SamplingParams(max_new_tokens=30, decoder=decoder)] * 2)
     assert seen and all(got == want for got, want in seen)
     if decoder == "threshold":

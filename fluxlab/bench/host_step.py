@@ -104,9 +104,13 @@ def measure(policy: str, batch: int, steps: int, block: int, decoding_steps: int
     runner.model = StubModel(engine.model, token_id=engine.eos_id + 1 if engine.eos_id + 1 != engine.mask_id else 1)
     runner.backend = "stub"  # no dense sdpa metadata: on the GPU a graph replays instead
     runner.attention = FlashInferHostPlan(block) if plan == "flashinfer" else NoAttention()
-    sinks = {"schedule": [], "prepare": [], "postprocess": []}
+    sinks = {"schedule": [], "prepare": [], "prepare_decode": [], "postprocess": []}
     timed(engine.scheduler, "schedule", sinks["schedule"])
-    timed(runner, "prepare", sinks["prepare"])
+    if hasattr(runner, "prepare_decode"):  # since session 7 the decode half runs after the launch
+        timed(runner, "prepare_forward", sinks["prepare"])
+        timed(runner, "prepare_decode", sinks["prepare_decode"])
+    else:
+        timed(runner, "prepare", sinks["prepare"])
     timed(engine.scheduler, "postprocess", sinks["postprocess"])
     params = SamplingParams(max_new_tokens=2048 - 256, ignore_eos=True)
     for prompt in gsm8k_prompts(engine.tokenizer, batch):
@@ -134,7 +138,8 @@ def measure(policy: str, batch: int, steps: int, block: int, decoding_steps: int
     engine.shutdown()
     us = lambda values: 1e6 * statistics.mean(values)  # noqa: E731  (mean: block commits are part of the cost)
     row = {"policy": policy, "batch": batch, "steps": steps, "plan": plan,
-           "schedule_us": us(sinks["schedule"]), "prepare_us": us(sinks["prepare"]),
+           "schedule_us": us(sinks["schedule"]),
+           "prepare_us": us(sinks["prepare"]) + (us(sinks["prepare_decode"]) if sinks["prepare_decode"] else 0.0),
            "launch_us": us(launch_s), "decode_us": us(decode_s), "postprocess_us": us(sinks["postprocess"]),
            "after_results_us": us(after_s), "step_us": us(step_s)}
     # What the GPU waits for: everything up to the launch, and everything after the results.

@@ -1,10 +1,12 @@
 """The only owner of device tensors: weights, KV pages, step state, CUDA graphs, the forward, the
 logits head and the decode step.
 
-`run(batch)` = prepare (host arrays, numpy) -> execute (the inputs: read by a replaying graph from
-host memory, else one host->device copy; the forward; logits at the positions decoders need) ->
-decode (on the device) -> one device->host copy of the new blocks. TP workers receive StepInputs
-and call `execute` alone.
+`run(batch)` = prepare_forward (host arrays, numpy) -> the forward (its inputs read by a replaying
+graph from host memory, else one host->device copy) -> prepare_decode, while the forward runs (the
+decoding rows and the positions whose logits they need) -> the logits head at those positions ->
+decode (on the device) -> one device->host copy of the new blocks. Under TP / DP attention rank 0
+prepares the whole step before the launch (the step message carries the logit rows) and every
+rank calls `execute`.
 """
 from __future__ import annotations
 
@@ -133,6 +135,7 @@ class ModelRunner:
         self._block_offsets = np.arange(block_length)[None, :]  # [1, bl]
         self._iota = np.arange(0)  # 0, 1, 2, ...: read-only views instead of a new arange each step
         self._rows: Optional[RowArrays] = None  # the last batch's, for a batch of the same rows
+        self._no_logits = np.zeros(0, dtype=np.int64)  # StepInputs.logit_index until prepare_decode
         # Greedy rows read model-dtype logits through the one-pass kernel on CUDA; fp32 elsewhere.
         self.fp32_logits = device.type != "cuda" or dtype == torch.float32
         self.on_step: Optional[Callable[[StepInputs], None]] = None  # TP rank 0: broadcast to the workers
@@ -190,20 +193,32 @@ class ModelRunner:
         return self._range(num_blocks * self.block_length).reshape(num_blocks, self.block_length)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, Optional[DecodeInputs]]:
-        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes. Every
-        index is computed with numpy over the batch's seats (seats.py), no loop over rows; what
-        depends on the rows alone is reused while the scheduler hands the same rows again."""
-        bl = self.block_length
-        seats = batch.seats
+        """A scheduled batch as host arrays: what every rank runs, and what rank 0 decodes
+        (`prepare_forward`, then `prepare_decode`)."""
+        inputs = self.prepare_forward(batch)
+        return inputs, self.prepare_decode(batch, inputs)
+
+    def prepare_forward(self, batch: ScheduledBatch) -> StepInputs:
+        """The forward's inputs (tokens, positions, segments; no logit rows yet). Every index is
+        computed with numpy over the batch's seats (seats.py), no loop over rows; what depends on
+        the rows alone is reused while the scheduler hands the same rows again."""
         rows = self._rows
         if not (batch.same_rows and rows is not None and rows.slots is batch.slots
                 and rows.first_block is batch.first_block):
             rows = self._rows = self._row_arrays(batch)
-        token_ids = seats.block_rows.take(rows.block_row, axis=0).ravel()
-        if rows.seat is None:  # no row decodes (prefill chunks only)
-            return StepInputs(token_ids, rows.positions, rows.tp_rows, np.zeros(0, dtype=np.int64),
-                              seats=rows.tp_seats, segments=rows.segments), None
+        token_ids = batch.seats.block_rows.take(rows.block_row, axis=0).ravel()
+        return StepInputs(token_ids, rows.positions, rows.tp_rows, self._no_logits, seats=rows.tp_seats,
+                          segments=rows.segments)
+
+    def prepare_decode(self, batch: ScheduledBatch, inputs: StepInputs) -> Optional[DecodeInputs]:
+        """The decoding rows of the batch `prepare_forward` just prepared, and the forward's logit
+        rows (set on `inputs`); None when no row decodes. On one GPU this runs while the forward does."""
+        rows = self._rows
+        if rows.seat is None:  # prefill chunks only
+            return None
+        bl = self.block_length
         num_rows = rows.seat.shape[0]
+        token_ids = inputs.token_ids
         blocks = (token_ids if batch.single_blocks else token_ids[rows.block_index]).reshape(num_rows, bl)
         # Greedy logits only where a decoder may write: masks, or every non-prompt position of an
         # editing decoder.
@@ -214,10 +229,9 @@ class ModelRunner:
         logit_index = rows.block_index[greedy_target]
         if rows.full_rows.shape[0]:
             logit_index = np.concatenate([logit_index, rows.full_index])
-        decode_inputs = DecodeInputs(rows.requests, rows.seat, rows.block_index, greedy_target, rows.full_rows,
-                                     seats.log_len[rows.seat], rows.decoders, rows.owners)
-        return (StepInputs(token_ids, rows.positions, rows.tp_rows, logit_index, len(greedy_target),
-                           seats=rows.tp_seats, segments=rows.segments), decode_inputs)
+        inputs.logit_index, inputs.num_greedy = logit_index, len(greedy_target)
+        return DecodeInputs(rows.requests, rows.seat, rows.block_index, greedy_target, rows.full_rows,
+                            batch.seats.log_len[rows.seat], rows.decoders, rows.owners)
 
     def _row_arrays(self, batch: ScheduledBatch) -> "RowArrays":
         bl = self.block_length
@@ -274,16 +288,29 @@ class ModelRunner:
     # --- the forward ---
     def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
         """One forward over every row and the decode step of its decoding rows."""
-        inputs, decode_inputs = self.prepare(batch)
-        if self.on_step is not None:
-            self.on_step(inputs)
-        extra = [] if decode_inputs is None else [decode_inputs.slots, decode_inputs.block_index,
-                                                  decode_inputs.greedy_target, decode_inputs.full_rows,
-                                                  decode_inputs.log_len]
-        greedy, logits, ids, extra_dev = self.execute(inputs, extra)
+        with torch.inference_mode():  # entered once a step: each entry costs the host µs
+            inputs = self.prepare_forward(batch)
+            if self.on_step is not None:  # TP / DP: every rank is sent the whole step, logit rows too
+                decode_inputs = self.prepare_decode(batch, inputs)
+                self.on_step(inputs)
+                greedy, logits, ids, extra_dev = self.execute(inputs, self._decode_arrays(decode_inputs))
+                return None if decode_inputs is None else self._decode(decode_inputs, greedy, logits, ids, *extra_dev)
+            hidden, ids, _ = self._forward(inputs, [])
+            # While the forward runs: the decoding rows, the logit rows, and their upload.
+            decode_inputs = self.prepare_decode(batch, inputs)
+            if decode_inputs is None:
+                return None
+            logit_index, *extra_dev = self.staging.upload([inputs.logit_index, *self._decode_arrays(decode_inputs)])
+            greedy, logits = self._head(hidden, logit_index, inputs.num_greedy)
+            return self._decode(decode_inputs, greedy, logits, ids, *extra_dev)
+
+    @staticmethod
+    def _decode_arrays(decode_inputs: Optional[DecodeInputs]) -> list[np.ndarray]:
+        """The decode step's host indices, uploaded with the step."""
         if decode_inputs is None:
-            return None
-        return self._decode(decode_inputs, greedy, logits, ids, *extra_dev)
+            return []
+        return [decode_inputs.slots, decode_inputs.block_index, decode_inputs.greedy_target,
+                decode_inputs.full_rows, decode_inputs.log_len]
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, extra: list[np.ndarray] = ()
@@ -292,6 +319,14 @@ class ModelRunner:
         """((argmax, probability) of the first num_greedy logit rows or None (also on TP workers),
         logits of the other logit rows [P - num_greedy, V] or None, input ids on the device, `extra`
         uploaded)."""
+        hidden, ids, (logit_index, *extra_dev) = self._forward(inputs, [inputs.logit_index, *extra])
+        greedy, logits = self._head(hidden, logit_index, inputs.num_greedy)
+        return greedy, logits, ids, extra_dev
+
+    def _forward(self, inputs: StepInputs, arrays: list[np.ndarray]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Launch the forward: (hidden states, input ids on the device, `arrays` on the device: with
+        the inputs when eager, after the launch when a graph replays)."""
         bl = self.block_length
         segments = inputs.plan_segments()
         token_ids, slots = inputs.token_ids.astype(np.int64, copy=False), segments.slot_mapping(bl)
@@ -300,29 +335,29 @@ class ModelRunner:
             self.num_graph_forwards += 1
             # the graph reads its inputs from the host (staging.py); the rest is uploaded while it runs
             hidden, ids = self.graphs.run(token_ids, inputs.positions, slots, segments)
-            logit_index, *extra_dev = self.staging.upload([inputs.logit_index, *extra])
+            return hidden, ids, self.staging.upload(arrays) if arrays else []
+        self.num_eager_forwards += 1
+        ids, pos, slots_dev, *uploaded = self.staging.upload([token_ids, inputs.positions, slots, *arrays])
+        if self.backend == "sdpa":
+            meta = build_metadata(segments, bl, self.device, dense=True)
         else:
-            self.num_eager_forwards += 1
-            ids, pos, slots_dev, logit_index, *extra_dev = self.staging.upload(
-                [token_ids, inputs.positions, slots, inputs.logit_index, *extra])
-            if self.backend == "sdpa":
-                meta = build_metadata(segments, bl, self.device, dense=True)
-            else:
-                meta = AttentionMetadata(slots_dev, segments)
-            self.attention.begin(meta)
-            # launched_at: after the attention plan (host work the GPU waits for), before the forward
-            self.launched_at = time.perf_counter()
-            hidden = self.model(ids, pos, self.attention)
-        num_greedy = inputs.num_greedy
+            meta = AttentionMetadata(slots_dev, segments)
+        self.attention.begin(meta)
+        # launched_at: after the attention plan (host work the GPU waits for), before the forward
+        self.launched_at = time.perf_counter()
+        return self.model(ids, pos, self.attention), ids, uploaded
+
+    def _head(self, hidden: torch.Tensor, logit_index: torch.Tensor, num_greedy: int
+              ) -> tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[torch.Tensor]]:
+        """The logits head at the logit rows: greedy statistics of the first num_greedy, full logits after."""
         greedy = logits = None
         if num_greedy:
             greedy = self.model.compute_greedy_stats(hidden[logit_index[:num_greedy]], fp32=self.fp32_logits)
         if logit_index.shape[0] > num_greedy:
             logits = self.model.compute_logits(hidden[logit_index[num_greedy:]], fp32=self.fp32_logits)
-        return greedy, logits, ids, extra_dev
+        return greedy, logits
 
     # --- the decode step ---
-    @torch.inference_mode()
     def _decode(self, inputs: DecodeInputs, greedy: Optional[tuple[torch.Tensor, torch.Tensor]],
                 logits: Optional[torch.Tensor], ids: torch.Tensor, slots: torch.Tensor, block_index: torch.Tensor,
                 greedy_target: torch.Tensor, full_rows: torch.Tensor, log_len: torch.Tensor) -> StepOutput:
