@@ -60,10 +60,12 @@ def graph_replays_and_eager(backend_cls, segs: int = 8, bl: int = 32):
     slots = scratch.clone()
     graphed.meta = AttentionMetadata(slots, None)
     graphed.plan(Segments.scratch(segs, 63))
+    graphed.copy_plan_in()
     graphed.forward(0, q, k, v)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        graphed.copy_plan_in()  # as the graph runner captures it: the plan from mapped host memory
         out = graphed.forward(0, q, k, v)
     rows = random_rows(4, 60, random.Random(7), max_blocks=2)  # <= 6 segments in 3 rows: padding left
     pairs = []

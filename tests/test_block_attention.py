@@ -48,6 +48,7 @@ def compare_with_sdpa(device: torch.device, dtype: torch.dtype, bl: int, heads: 
         scratch = torch.arange(num_pages * bl, (num_pages + 1) * bl, device=device).repeat(pad)
         backend.meta = AttentionMetadata(torch.cat([meta.slot_mapping, scratch]), None)
         backend.plan(Segments.of_rows(rows).padded(pad, num_pages))
+        backend.copy_plan_in()  # what the graph's first kernel does
         q, k, v = (torch.cat([t, torch.zeros(pad * bl, *t.shape[1:], dtype=dtype, device=device)]) for t in (q, k, v))
         got = backend.forward(0, q, k, v)[:n * bl]
     else:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fluxlab.engine.staging import HostStaging
+from fluxlab.engine.staging import HostStaging, mapped_host
 
 
 def test_upload_returns_each_array_and_the_buffer_grows_on_demand():
@@ -38,13 +38,15 @@ def test_the_next_step_waits_for_a_copy_still_queued_behind_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_mapped_region_is_read_by_kernels_where_the_host_wrote_it():
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32])  # graph inputs; a page-table backend's plan
+def test_a_mapped_region_is_read_by_kernels_where_the_host_wrote_it(dtype):
     """What a graph's first kernel reads: the host's latest numpy writes, no copy call between."""
     cuda = torch.device("cuda")
     staging = HostStaging(cuda)
-    host, on_device = staging.mapped(6)
+    host, on_device = staging.mapped(6) if dtype == torch.long else mapped_host(6, cuda, dtype)
     assert on_device.device.type == "cuda" and on_device.data_ptr() == torch.from_numpy(host).data_ptr()
-    out = torch.zeros(6, dtype=torch.long, device=cuda)
+    assert on_device.dtype == dtype and host.dtype == torch.empty(0, dtype=dtype).numpy().dtype
+    out = torch.zeros(6, dtype=dtype, device=cuda)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.add(on_device, 0, out=out)

@@ -4,9 +4,9 @@ A forward is a list of query segments of exactly block_length tokens each (a row
 segments: the attention backend plans each block over pages 0..itself), so a graph captured for S
 segments replays any batch of at most S segments whatever its mix: decode rows (1 segment), commit +
 decode rows (2), prefill chunks (n), any row count. Padding segments read and write a scratch page.
-A graph starts by reading its inputs from host memory the runner wrote (staging.py) and ends at
-the last hidden state; the logits head runs after it on only the positions the decoders need,
-whose count changes every step.
+A graph starts by reading its inputs (and a page-table backend's plan) from host memory the runner
+wrote (staging.py) and ends at the last hidden state; the logits head runs after it on only the
+positions the decoders need, whose count changes every step.
 """
 from __future__ import annotations
 
@@ -71,12 +71,14 @@ class CapturedForward:
         self.attention.plan(Segments.scratch(segments, self.scratch_page))
         model = runner.model
         for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
+            self.attention.copy_plan_in()
             model(self.input_ids, self.positions, self.attention)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             # a kernel, not a memcpy node: the source is host memory the GPU reads at its host address
             torch.add(self.staged_on_device.view(3, tokens), 0, out=self.inputs)
+            self.attention.copy_plan_in()  # the attention plan, where the backend stages it the same way
             self.hidden = model(self.input_ids, self.positions, self.attention)
 
     def load(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, segments: Segments) -> None:

@@ -19,14 +19,27 @@ import numpy as np
 import torch
 
 
+_TYPESTR = {torch.long: "<i8", torch.int32: "<i4"}
+
+
 class _MappedHostArray:
     """Pinned host memory as a CUDA array (unified addressing: the GPU reads it at its host
     address); holds the pinned tensor, so the alias keeps it alive."""
 
     def __init__(self, pinned: torch.Tensor):
         self.pinned = pinned
-        self.__cuda_array_interface__ = {"shape": tuple(pinned.shape), "typestr": "<i8",
+        self.__cuda_array_interface__ = {"shape": tuple(pinned.shape), "typestr": _TYPESTR[pinned.dtype],
                                          "data": (pinned.data_ptr(), False), "version": 3}
+
+
+def mapped_host(n: int, device: torch.device, dtype: torch.dtype = torch.long) -> tuple[np.ndarray, torch.Tensor]:
+    """n zeros of pinned host memory: (numpy view the host writes, the same memory as a device
+    tensor kernels read; on CPU the host tensor itself). The GPU may be reading it until the work
+    queued on it has run: write it only where the step's staging protocol allows (HostStaging.begin)."""
+    on_cuda = device.type == "cuda"
+    pinned = torch.zeros(n, dtype=dtype, pin_memory=on_cuda)
+    alias = torch.as_tensor(_MappedHostArray(pinned), device=device) if on_cuda else pinned
+    return pinned.numpy(), alias
 
 
 class HostStaging:
@@ -66,11 +79,8 @@ class HostStaging:
         return self.host[start:start + n], self.buffer[start:start + n]
 
     def mapped(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A region of its own, kept for good: (numpy view the host writes, the same memory as a
-        device tensor kernels read; on CPU the host tensor itself)."""
-        pinned = torch.zeros(n, dtype=torch.long, pin_memory=self.on_cuda)
-        alias = torch.as_tensor(_MappedHostArray(pinned), device=self.device) if self.on_cuda else pinned
-        return pinned.numpy(), alias
+        """A region of its own, kept for good, written under this buffer's protocol (`mapped_host`)."""
+        return mapped_host(n, self.device)
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """int64 arrays on the device, one copy for all of them."""

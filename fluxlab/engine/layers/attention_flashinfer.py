@@ -111,6 +111,9 @@ class FlashInferAttention:
             max_token_per_sequence=self.block_length)
         self.workspace.last_plan = (self, arguments)
 
+    def copy_plan_in(self) -> None:
+        """Nothing to copy under a graph: the wrapper's plan wrote its buffers before the replay."""
+
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self.plan(meta.segments)

@@ -1,5 +1,7 @@
 """Backends that read each query block's page table on the device (FA4, the Triton kernel): the
-host's whole plan is two small tables, written to fixed buffers under CUDA graphs.
+host's whole plan is two small tables. Under CUDA graphs the host writes them into pinned memory
+mapped into the GPU's address space, and the graph's first kernels copy them into its fixed buffers
+(engine/staging.py: a copy call before the replay would cost the host more than the plan itself).
 
 Every query block is one segment of exactly block_length queries over its request's pages 0 .. that
 block (layers/segments.py), so a segment's table row and its key count (block + 1) * block_length
@@ -14,6 +16,7 @@ import torch
 
 from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
 from fluxlab.engine.layers.segments import Segments
+from fluxlab.engine.staging import mapped_host
 
 
 def segment_tables(segments: Segments, width: int, fill_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -31,8 +34,9 @@ def segment_tables(segments: Segments, width: int, fill_page: int = 0) -> tuple[
 
 class PageTableAttention:
     """The plan half: `page_table` [S, W] int32 and `seqused_k` [S] int32 (keys each segment attends
-    to) on the device; with `graph_segments` they are fixed buffers rewritten in place before each
-    replay. Subclasses write K/V and attend in `forward`."""
+    to) on the device; with `graph_segments` they are fixed buffers that `copy_plan_in` (captured at
+    the head of the graph) fills from the mapped host tables `plan` wrote. Subclasses write K/V and
+    attend in `forward`."""
 
     def __init__(self, cache: KVCache, device: torch.device, *, num_qo_heads: int, head_dim: int,
                  max_blocks_per_seq: int, graph_segments: int = 0):
@@ -46,32 +50,38 @@ class PageTableAttention:
         self.page_table: Optional[torch.Tensor] = None
         self.seqused_k: Optional[torch.Tensor] = None
         if graph_segments:
-            self.page_table = torch.zeros(graph_segments, max_blocks_per_seq, dtype=torch.int32, device=device)
-            self.seqused_k = torch.full((graph_segments,), self.block_length, dtype=torch.int32, device=device)
-        self.planned: Optional[Segments] = None  # the segments whose tables the graph buffers hold
+            # One int32 region, table then key counts, so one kernel copies the plan in.
+            size = graph_segments * (max_blocks_per_seq + 1)
+            self._host_plan, self._mapped_plan = mapped_host(size, device, torch.int32)
+            self._plan = torch.zeros(size, dtype=torch.int32, device=device)
+            self._host_table = self._host_plan[:-graph_segments].reshape(graph_segments, max_blocks_per_seq)
+            self._host_used = self._host_plan[-graph_segments:]
+            self.page_table = self._plan[:-graph_segments].view(graph_segments, max_blocks_per_seq)
+            self.seqused_k = self._plan[-graph_segments:]
+        self.planned: Optional[Segments] = None  # the segments whose tables the graph's host plan holds
         self.meta: Optional[AttentionMetadata] = None
 
     def plan(self, segments: Segments) -> None:
         """Host-side tables of the next forward (outside any CUDA graph)."""
-        if self.graph_segments and self.planned is segments:  # only this graph writes its buffers
+        if self.graph_segments and self.planned is segments:  # only this graph writes its tables
             return
         width = self.max_pages if self.graph_segments else int(segments.windows.max())
         # (host tables, kept with the segments: a batch of the same rows plans from them again)
-        table, tokens = segments.memo(("page_tables", width, self.block_length),
-                                      lambda: self._plan_tensors(segments, width))
+        table, used = segments.memo(("page_tables", width), lambda: segment_tables(segments, width))
         if self.graph_segments:
             assert table.shape[0] == self.graph_segments, (table.shape, self.graph_segments)
-            self.planned = None  # a copy that raises leaves the buffers in no known state
-            self.page_table.copy_(table, non_blocking=True)
-            self.seqused_k.copy_(tokens, non_blocking=True)
+            self.planned = None  # a write that raises leaves the tables in no known state
+            self._host_table[:] = table
+            np.multiply(used, self.block_length, out=self._host_used)
             self.planned = segments
         else:
-            self.page_table = table.to(self.device, non_blocking=True)
-            self.seqused_k = tokens.to(self.device, non_blocking=True)
+            self.page_table = torch.from_numpy(table).to(self.device, non_blocking=True)
+            self.seqused_k = torch.from_numpy(used * self.block_length).to(self.device, non_blocking=True)
 
-    def _plan_tensors(self, segments: Segments, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table, used = segment_tables(segments, width)
-        return torch.from_numpy(table), torch.from_numpy(used * self.block_length)
+    def copy_plan_in(self) -> None:
+        """Under a graph: the planned tables into the buffers the kernels read (a kernel, not a
+        memcpy node: the source is host memory the GPU reads at its host address)."""
+        torch.add(self._mapped_plan, 0, out=self._plan)
 
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
