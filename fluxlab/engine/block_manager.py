@@ -195,17 +195,26 @@ class BlockManager:
             for request, n in zip(requests, num_blocks):
                 self.allocate(request, n)
             return
-        seats, columns, pages = [], [], []
-        for request, n in zip(requests, num_blocks):
-            table = request.page_table
-            for column in range(len(table), n):
-                table.append(self._take_page())
-                seats.append(request.slot)
-                columns.append(column)
-                pages.append(table[-1])
+        have = [len(r.page_table) for r in requests]
+        pages = self._take_pages(sum(num_blocks) - sum(have))
+        at = 0
+        for request, start, n in zip(requests, have, num_blocks):
+            request.page_table.extend(pages[at:at + n - start])
+            at += n - start
         if self.seat_pages.shape[0]:
-            self.seat_pages[seats, columns] = pages
-            self.seat_num_pages[[r.slot for r in requests]] = [len(r.page_table) for r in requests]
+            slots = np.array([r.slot for r in requests], dtype=np.int64)
+            grown = np.array(num_blocks, dtype=np.int64) - have
+            # each new page's (seat, column): the seat's rows from its old length on
+            starts = np.repeat(np.cumsum(grown) - grown - np.array(have, dtype=np.int64), grown)
+            self.seat_pages[np.repeat(slots, grown), np.arange(len(pages)) - starts] = pages
+            self.seat_num_pages[slots] = num_blocks
+
+    def _take_pages(self, n: int) -> list[int]:
+        """n pages in the order n calls of _take_page give them (free ones first, then evictions)."""
+        free = self.free_pages
+        if n <= len(free):
+            return [free.popleft() for _ in range(n)]
+        return [self._take_page() for _ in range(n)]
 
     def free(self, request: Request) -> None:
         if self.layout == "dense":

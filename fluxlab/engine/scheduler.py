@@ -24,7 +24,7 @@ import numpy as np
 
 from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.request import RequestOutput, RequestState
-from fluxlab.engine.seats import COUNTED, UNFOLDED, Seats
+from fluxlab.engine.seats import COUNTED, Seats
 from fluxlab.engine.sequence import Request
 
 
@@ -197,9 +197,12 @@ class Scheduler:
             seats.decoding[slots] = decodes
         if out is None:
             return []
-        rows = decodes.nonzero()[0]
-        seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
-        active = seats.active_block[seat]
+        if batch.single_blocks:  # every row decodes its active block, the row's first block
+            rows, seat, active = None, slots, first
+        else:
+            rows = decodes.nonzero()[0]
+            seat = slots if rows.shape[0] == slots.shape[0] else slots[rows]
+            active = seats.active_block[seat]
         final = out.final.nonzero()[0]
         if final.shape[0]:
             # A block whose final forward changed none of its tokens got its K/V from that forward,
@@ -224,7 +227,7 @@ class Scheduler:
         requests = batch.requests
         if out.logged is not None:
             for i in out.logged.nonzero()[0].tolist():
-                requests[rows[i]].decoder_log.append(out.log[i].copy())
+                requests[i if rows is None else rows[i]].decoder_log.append(out.log[i].copy())
                 seats.log_len[seat[i]] += 1
         outputs = []
         if not final.shape[0]:
@@ -247,17 +250,14 @@ class Scheduler:
         committed = committed.tolist()
         for array in (seats.forwards_in_block, seats.state, seats.columns, seats.log_len):
             array[seat] = 0
-        work = [getattr(seats, name)[seat].tolist() for name in UNFOLDED]
-        for array in (seats.forwards, seats.tokens_accepted, seats.tokens_edited):
-            array[seat] = 0
-        # ... and each request takes its block's output (per committing row only).
+        # ... and each request takes its block's output (per committing row only; its work counters
+        # stay in the seat until it leaves: Seats.fold).
         blocks = out.blocks[final].tolist()
+        if rows is not None:
+            final = rows[final]  # decoding row -> batch row
         for j, i in enumerate(final.tolist()):
-            request = requests[rows[i]]
+            request = requests[i]
             stats = request.stats
-            stats.forwards += work[0][j]
-            stats.tokens_accepted += work[1][j]
-            stats.tokens_edited += work[2][j]
             if kv_written[j]:
                 request.num_cached_blocks = committed[j] + 1
                 self.block_manager.cache_blocks(request, committed[j], committed[j] + 1)

@@ -23,7 +23,8 @@ from fluxlab.engine.sequence import SEATED, Request
 
 # Per-seat int64 counters a Request reads through while seated (sequence.py's properties).
 PROGRESS = SEATED
-# Per-seat work done since the last fold into request.stats (at a block commit and at release).
+# Per-seat work done since the request took the seat, folded into request.stats when it leaves
+# (not at each block commit: three fewer numpy calls and a loop over committing rows).
 UNFOLDED = ("forwards", "tokens_accepted", "tokens_edited")
 # Seats.counts' columns: a decoding forward adds 1, 1, its accepted and its edited tokens.
 COUNTED = ("forwards", "forwards_in_block", "tokens_accepted", "tokens_edited")
