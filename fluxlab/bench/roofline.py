@@ -254,7 +254,8 @@ def main() -> None:
                 results["rows"].append(row)
                 print(f"{variant:>18} bs={bs:>3}: decode {row['decode_ms_median']:.2f} ms (floor {floor['floor_ms']:.2f}, "
                       f"x{row['ratio']:.2f}), commit {row['commit_ms_median'] or 0:.2f} ms, other {row['other_ms_median'] or 0:.2f} ms, "
-                      f"host {row['host_decode_ms_median'] or 0:.3f} ms/decode step, graphs {row['graph_share'] or 0:.0%}, "
+                      f"host {row['host_decode_ms_median'] or 0:.3f} ms/decode step, {row['host_commit_ms_median'] or 0:.3f} "
+                      f"ms/commit step, graphs {row['graph_share'] or 0:.0%}, "
                       f"{row['output_tok_s']:.0f} tok/s",
                       flush=True)
         except Exception as err:  # one broken variant must not hide the others' numbers
