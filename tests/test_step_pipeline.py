@@ -356,6 +356,9 @@ def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkey
     # the memo also follows a step of commit + decode rows (the block after a commit, alone)
     batches, reused = with_memo[1], with_memo[3]
     assert any(reused[i + 1] and max(batches[i][2]) == 2 and all(batches[i][3]) for i in range(len(batches) - 1))
+    # and (paged) a step whose rows came in another order than their arrival (they met at a barrier)
+    assert policy == "dynamic" or any(reused[i + 1] and batches[i][0] != sorted(batches[i][0]) and all(batches[i][3])
+               for i in range(len(batches) - 1))
 
 
 def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm, monkeypatch):
@@ -415,3 +418,34 @@ def test_extend_gives_the_pages_one_allocate_per_request_gives():
     assert [r.page_table for r in rows] == [r.page_table for r in by_row]
     assert np.array_equal(batched.seat_pages, one.seat_pages)
     assert np.array_equal(batched.seat_num_pages, one.seat_num_pages) and batched.seat_num_pages.tolist() == want
+
+
+def test_cache_rows_enters_what_cache_blocks_per_row_enters():
+    """A commit step enters its rows' blocks in one call: the same entries, page switches (two rows
+    committing the same block in one forward) and freed pages as cache_blocks row by row, a
+    multi-block row (a prefill chunk) included."""
+    from fluxlab.engine.block_manager import BlockManager
+    from fluxlab.engine.sequence import Request
+
+    prompt = list(range(1, 13))  # three blocks of 4
+    def setup():
+        manager = BlockManager(20, enable_prefix_cache=True, num_seats=3, max_blocks_per_seq=6)
+        requests = [Request(f"r{i}", prompt if i < 2 else prompt[::-1], SamplingParams(max_new_tokens=8), 4, 0, (99,))
+                    for i in range(3)]
+        for seat, request in enumerate(requests):
+            request.slot = seat
+            manager.allocate(request, 3)
+        return manager, requests
+
+    rows = [(0, 1), (0, 1), (0, 3)]  # r0 and r1 commit the same block 0; r2 three blocks
+    one, by_row = setup()
+    for request, (first, end) in zip(by_row, rows):
+        one.cache_blocks(request, first, end)
+    batched, requests = setup()
+    first_tokens = np.stack([r.tokens[f * 4:(f + 1) * 4] for r, (f, _) in zip(requests, rows)])
+    batched.cache_rows(requests, [f for f, _ in rows], [e for _, e in rows], first_tokens)
+    assert [r.page_table for r in requests] == [r.page_table for r in by_row]
+    assert requests[1].page_table[0] == requests[0].page_table[0]  # switched to r0's page
+    assert {k: (e.page, e.refs) for k, e in batched.cached.items()} == {k: (e.page, e.refs) for k, e in one.cached.items()}
+    assert list(batched.free_pages) == list(one.free_pages) and np.array_equal(batched.seat_pages, one.seat_pages)
+    batched.check(requests)

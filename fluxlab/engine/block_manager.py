@@ -121,23 +121,46 @@ class BlockManager:
         switches to the cached page and its own page is freed, so the chain stays whole."""
         if not self.enable_prefix_cache or first >= end:
             return
-        table, tokens, bl = request.page_table, request.tokens, request.block_length
-        parent = self.page_entry[table[first - 1]].serial if first else 0
+        tokens, bl = request.tokens, request.block_length
+        parent = self._parent(request, first)
         for block in range(first, end):
-            key = (parent, tokens[block * bl:(block + 1) * bl].tobytes())
-            entry = self.cached.get(key)
-            if entry is None:
-                entry = CachedBlock(key, next(self._serials), table[block])
-                entry.refs = 1
-                self.cached[key] = entry
-                self.page_entry[entry.page] = entry
-            elif entry.page != table[block]:
-                self._ref(entry)
-                self.free_pages.append(table[block])
-                table[block] = entry.page
-                if request.slot is not None and self.seat_pages.shape[0]:
-                    self.seat_pages[request.slot, block] = entry.page
-            parent = entry.serial
+            parent = self._enter(request, block, parent, tokens[block * bl:(block + 1) * bl].tobytes())
+
+    def cache_rows(self, requests: list[Request], first: list[int], end: list[int], first_tokens: np.ndarray) -> None:
+        """cache_blocks(requests[i], first[i], end[i]) for each row in order. first_tokens [R, bl]:
+        each row's block first[i] (its final tokens), so the usual row, one block, costs no slicing
+        of its own (one commit a row: a block commit step enters every running row's block)."""
+        if not self.enable_prefix_cache:
+            return
+        data, width = first_tokens.tobytes(), first_tokens.shape[1] * first_tokens.itemsize
+        for i, request in enumerate(requests):
+            block = first[i]
+            if end[i] - block == 1:
+                self._enter(request, block, self._parent(request, block), data[i * width:(i + 1) * width])
+            else:
+                self.cache_blocks(request, block, end[i])
+
+    def _parent(self, request: Request, block: int) -> int:
+        """The serial of the cache entry the block hangs from (0: the root, for block 0)."""
+        return self.page_entry[request.page_table[block - 1]].serial if block else 0
+
+    def _enter(self, request: Request, block: int, parent: int, token_bytes: bytes) -> int:
+        """Enter one final block under `parent`; returns its entry's serial (its children's parent)."""
+        table = request.page_table
+        key = (parent, token_bytes)
+        entry = self.cached.get(key)
+        if entry is None:
+            entry = CachedBlock(key, next(self._serials), table[block])
+            entry.refs = 1
+            self.cached[key] = entry
+            self.page_entry[entry.page] = entry
+        elif entry.page != table[block]:
+            self._ref(entry)
+            self.free_pages.append(table[block])
+            table[block] = entry.page
+            if request.slot is not None and self.seat_pages.shape[0]:
+                self.seat_pages[request.slot, block] = entry.page
+        return entry.serial
 
     def _ref(self, entry: CachedBlock) -> None:
         if entry.refs == 0:

@@ -187,8 +187,11 @@ class Scheduler:
             seats.num_cached_blocks[slots] = first + commits
             if self.block_manager.enable_prefix_cache:
                 # Their K/V is written now, from their final tokens: other requests may share it.
-                for i in commits.nonzero()[0].tolist():
-                    self.block_manager.cache_blocks(batch.requests[i], int(first[i]), int(first[i] + commits[i]))
+                committing = commits.nonzero()[0]
+                at = first[committing]
+                self.block_manager.cache_rows([batch.requests[i] for i in committing.tolist()], at.tolist(),
+                                              (at + commits[committing]).tolist(),
+                                              seats.block_rows.take(slots[committing] * seats.max_blocks + at, axis=0))
         changed = []  # the last batch's rows again: every one decoded then and decodes now
         if not batch.same_rows:
             changed = (seats.decoding[slots] != decodes).nonzero()[0].tolist()
@@ -235,13 +238,16 @@ class Scheduler:
             # gives the same rows in the same order (every running request, oldest first), each
             # its active block alone (a commit + decode row's commit is cached now), and no row
             # needs a new page or lets a waiting request in (paged: not at a barrier).
-            if not changed and batch.requests == self.running:
-                if batch.single_blocks:
+            # Every running request was in this batch (its rows are distinct running requests), so
+            # each was scheduled now and the next schedule orders them as `running` does.
+            if not changed and len(batch.requests) == len(self.running):
+                if batch.single_blocks and batch.requests == self.running:
                     self._repeat, self._repeat_same = batch, True
-                elif decodes.all():
-                    ones = np.ones(slots.shape[0], dtype=np.int64)
-                    self._repeat = ScheduledBatch(batch.requests, slots, first + batch.num_blocks - 1, ones,
-                                                  decodes, bl, seats, single_blocks=True)
+                elif decodes.all():  # after a commit step, or rows that met at a barrier in another order
+                    running = self._running_slot_array()
+                    ones = np.ones(running.shape[0], dtype=np.int64)
+                    self._repeat = ScheduledBatch(list(self.running), running, seats.active_block[running], ones,
+                                                  ones.astype(bool), bl, seats, single_blocks=True)
                     self._repeat_same = False
             return outputs
         # The seats move on to their next block (counters, decoder state zero at block entry) ...
