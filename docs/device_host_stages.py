@@ -27,14 +27,19 @@ def wrap(obj, name, label):
     setattr(obj, name, w)
 wrap(sched_mod.Scheduler, "schedule", "schedule")
 wrap(sched_mod.Scheduler, "postprocess", "postprocess")
-wrap(mr_mod.ModelRunner, "prepare", "prepare")
+if hasattr(mr_mod.ModelRunner, "prepare_decode"):  # session 7: the decode half runs after the launch
+    wrap(mr_mod.ModelRunner, "prepare_forward", "prepare_forward")
+    wrap(mr_mod.ModelRunner, "prepare_decode", "prepare_decode (after the launch)")
+else:
+    wrap(mr_mod.ModelRunner, "prepare", "prepare")
 if hasattr(mr_mod.ModelRunner, "_upload"):  # before the staging buffer (session 6): one upload before the launch
     wrap(mr_mod.ModelRunner, "_upload", "upload")
 else:
     from fluxlab.engine import staging as staging_mod
     wrap(staging_mod.HostStaging, "upload", "upload (after the launch on graphs)")
     wrap(staging_mod.HostStaging, "begin", "staging.begin")
-wrap(mr_mod.ModelRunner, "execute", "execute (to the head)")
+if not hasattr(mr_mod.ModelRunner, "_forward"):
+    wrap(mr_mod.ModelRunner, "execute", "execute (to the head)")
 wrap(gr_mod.CapturedForward, "load", "graph.load(+plan)")
 wrap(gr_mod.CapturedForward, "replay", "replay")
 wrap(mr_mod.ModelRunner, "_decode", "decode(+wait)")
