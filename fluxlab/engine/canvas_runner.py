@@ -215,7 +215,7 @@ class CanvasRunner:
                 states[i].needs_canvas = True
                 filled[i] = self._committed_tokens(request, blocks[i])
         zeros = np.zeros(len(decoding), dtype=np.int64)
-        return StepOutput(blocks, filled, zeros, final, {})
+        return StepOutput(blocks, filled, zeros, final)
 
     @staticmethod
     def _committed_tokens(request: CanvasRequest, canvas: np.ndarray) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from fluxlab.engine.layers.attention import AttentionMetadata
 from fluxlab.engine.layers.segments import Segments
+from fluxlab.engine.staging import mapped_host
 
 log = logging.getLogger("fluxlab.engine")
 
@@ -57,7 +58,7 @@ class CapturedForward:
         self.segments = segments
         # ids, positions, slots: the host writes them into mapped pinned memory (staging.py), the
         # graph's first kernel copies them in; padding tokens sit at block offsets of the scratch page
-        staged, self.staged_on_device = runner.staging.mapped(3 * tokens)
+        staged, self.staged_on_device = mapped_host(3 * tokens, device)
         self.staged = staged.reshape(3, tokens)
         self.staged[1] = np.arange(tokens) % bl
         self.staged[2] = runner.scratch_slots.repeat(segments).cpu().numpy()

@@ -407,8 +407,7 @@ class ModelRunner:
         self.staging.drained()  # (so the next step need not wait on the staging event: ~20 µs)
         self.results_at = time.perf_counter()
         at = bl + 3 + len(names)
-        out = StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool),
-                         {n: host[:, bl + 3 + i] for i, n in enumerate(names)}, host[:, bl + 3:at],
+        out = StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool), host[:, bl + 3:at],
                          {c: host[:, at + i * bl:at + (i + 1) * bl] for i, c in enumerate(columns)})
         if result.log is not None:
             at += len(columns) * bl

@@ -36,8 +36,9 @@ class StepOutput:
     filled: np.ndarray  # [R] mask -> token transfers
     edited: np.ndarray  # [R] token -> token edits
     final: np.ndarray  # [R] bool: the block is final
-    state: dict[str, np.ndarray]  # decoder state after the step, [R] each
-    state_matrix: Optional[np.ndarray] = None  # [R, names] the same, every registered name in sorted order
+    # [R, names] decoder state after the step, every registered name in sorted order (Seats.state_names);
+    # None: a runner whose decoders keep no registry state (the canvas runner), zeros
+    state: Optional[np.ndarray] = None
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # [R, bl] each (decoders present only)
     log: Optional[np.ndarray] = None  # [R, bl] rows appended to each row's decoder log where `logged`
     logged: Optional[np.ndarray] = None  # [R] bool
@@ -220,11 +221,7 @@ class Scheduler:
         counted = seats.counts.take(seat, axis=0)  # (take, add, write back: 1.5x faster than fancy +=)
         counted += added
         seats.counts[seat] = counted
-        if out.state_matrix is not None:
-            seats.state[seat] = out.state_matrix
-        elif seats.state_names:  # a runner that reports only its decoders' state (the canvas runner: none)
-            none = np.zeros(len(seat), dtype=np.int64)
-            seats.state[seat] = np.stack([out.state.get(n, none) for n in seats.state_names], axis=1)
+        seats.state[seat] = 0 if out.state is None else out.state
         for name, values in out.columns.items():
             seats.columns[seat, seats.column_names.index(name)] = values
         requests = batch.requests
@@ -234,12 +231,11 @@ class Scheduler:
                 seats.log_len[seat[i]] += 1
         outputs = []
         if not final.shape[0]:
-            # Nothing finished a block, so every row is still inside its block: the next schedule
-            # gives the same rows in the same order (every running request, oldest first), each
-            # its active block alone (a commit + decode row's commit is cached now), and no row
-            # needs a new page or lets a waiting request in (paged: not at a barrier).
-            # Every running request was in this batch (its rows are distinct running requests), so
-            # each was scheduled now and the next schedule orders them as `running` does.
+            # Nothing finished a block, so every row is still inside its block. When every running
+            # request was in this batch (its rows are distinct running requests), each was scheduled
+            # now, so the next schedule gives them in `running` order, each its active block alone
+            # (a commit + decode row's commit is cached now), and no row needs a new page or lets a
+            # waiting request in (paged: not at a barrier).
             if not changed and len(batch.requests) == len(self.running):
                 if batch.single_blocks and batch.requests == self.running:
                     self._repeat, self._repeat_same = batch, True

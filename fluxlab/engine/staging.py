@@ -1,12 +1,12 @@
-"""The step's host->device traffic, through pinned int64 memory the runner owns.
+"""The step's host->device traffic, through pinned memory the runner owns.
 
 A CUDA call costs the host 30-130 µs on the H200 machine measured (a copy, an event, a launch;
 docs/benchmarks.md §17), and the GPU idles while the host makes them between two forwards. So a
-graph's inputs make none: each graph owns a
-pinned region mapped into the GPU's address space (`mapped`), the host writes the next inputs
-there with numpy and the graph's first kernel reads them. What the rest of a step needs (eager
-inputs, the decode step's indices, uploaded after the launch) goes through one transient buffer
-(`take`, `upload`).
+graph's inputs make none: each graph (and a page-table backend's plan under it) owns a pinned
+region mapped into the GPU's address space (`mapped_host`), the host writes the next inputs there
+with numpy and the graph's first kernels read them. What the rest of a step needs (eager inputs,
+the decode step's indices, uploaded after the launch) goes through one transient int64 buffer
+(`HostStaging.take`, `upload`).
 
 Pinned memory is written again only once the GPU has read it: `upload` and `queued_read` record an
 event after the step's reads are queued, and `begin` waits on it. A step that ends on a
@@ -77,10 +77,6 @@ class HostStaging:
         start = self.used
         self.used += n
         return self.host[start:start + n], self.buffer[start:start + n]
-
-    def mapped(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A region of its own, kept for good, written under this buffer's protocol (`mapped_host`)."""
-        return mapped_host(n, self.device)
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """int64 arrays on the device, one copy for all of them."""

@@ -107,8 +107,8 @@ class DataParallelPages:
         self._manager(request).cache_blocks(request, first, end)
 
     def cache_rows(self, requests: list[Request], first: list[int], end: list[int], first_tokens: np.ndarray) -> None:
-        for i, request in enumerate(requests):  # each on its own rank's pool, in row order
-            self._manager(request).cache_rows([request], first[i:i + 1], end[i:i + 1], first_tokens[i:i + 1])
+        for request, a, b in zip(requests, first, end):  # each on its own rank's pool, in row order
+            self.cache_blocks(request, a, b)
 
     def free(self, request: Request) -> None:
         rank = self.rank_of(request)

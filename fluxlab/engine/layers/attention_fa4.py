@@ -8,7 +8,7 @@ seqused_k [S] = (block + 1) * block_length; K/V are written to their pages first
 
 FA4's eager call costs ~0.2 ms of host time (measured on H200, DESIGN §8), twenty times per forward,
 so it belongs under CUDA graphs: with `graph_segments` the page table and lengths are fixed device
-buffers that `plan` rewrites in place before each replay (layers/page_tables.py).
+buffers the graph fills from the host tables `plan` wrote (layers/page_tables.py).
 """
 from __future__ import annotations
 

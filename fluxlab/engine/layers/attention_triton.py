@@ -1,6 +1,6 @@
 """Paged block-causal attention through fluxlab's own Triton kernel (kernels/block_attention.py):
 FA4's plan (a page table and key counts on the device, layers/page_tables.py) with no host-side
-scheduling at all, so a batch of new rows costs two small copies instead of FlashInfer's plan."""
+scheduling at all: a batch of new rows costs two small host tables instead of FlashInfer's plan."""
 from __future__ import annotations
 
 import torch
