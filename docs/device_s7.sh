@@ -33,3 +33,8 @@ served() {  # $1 tree $2 label $3 policies $4 concurrencies
 }
 served $PWD new paged,dynamic 16,64
 served $PWD/.fi/pre pre paged,dynamic 16
+
+# Calls E and F (final main, after the review cleanups): the GPU tests above, then batch 16/64 new/pre alternating
+# for run in new6 pre6 new7 pre7; do d=$PWD; [[ $run == pre* ]] && d=$PWD/.fi/pre
+#   (cd $d && PYTHONPATH=/tmp/site:$d python3 -m fluxlab.bench.roofline --batch-sizes 16,64 --variants triton+graph \
+#      --out $OUT/roof_$run.json); done
