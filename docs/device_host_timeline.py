@@ -1,10 +1,13 @@
 """Where a steady step's host time goes on the GPU's host, as gaps between wall-clock stamps (no profiler),
 and whether numpy is slower right after the step's device->host wait than in a warm loop.
-Run from the repository root: python3 docs/device_host_timeline.py BS POLICY [backend]"""
+It times the synchronous loop (scheduler.async_scheduling=false where the key exists: with async scheduling a
+repeated step's forward is launched inside the last step). Run from the repository root:
+python3 docs/device_host_timeline.py BS POLICY [backend]"""
 import collections, functools, statistics, sys, time
 import numpy as np
 import torch
 from fluxlab.config import compose, validate_config
+from fluxlab.config.schema import SchedulerConfig
 from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
 from fluxlab.engine.request import SamplingParams
 from fluxlab.bench.roofline import gsm8k_prompts
@@ -15,7 +18,8 @@ cfg = compose("generate", ["model=llada2_mini", "model.load_format=random", "eng
                            "decoding.block_length=32", "decoding.steps=8", f"attention={backend}", f"scheduler={policy}",
                            "attention.use_decode_cuda_graph=true", f"scheduler.max_num_seqs={bs}",
                            f"scheduler.max_scheduled_tokens={bs * 64}", "model.max_model_len=1024",
-                           "scheduler.enable_prefix_cache=false"])
+                           "scheduler.enable_prefix_cache=false"]
+              + (["scheduler.async_scheduling=false"] if "async_scheduling" in SchedulerConfig.__dataclass_fields__ else []))
 validate_config(cfg)
 eng = LLMEngine(cfg)
 stamps = {}
@@ -73,7 +77,7 @@ dev = torch.zeros(R, bl + 5, dtype=torch.long, device="cuda")
 def ops(host):
     t = time.perf_counter()
     ob = host[:, :bl]
-    final = host[:, bl + 2].astype(bool).nonzero()[0]
+    host[:, bl + 2].astype(bool).nonzero()  # (postprocess finds the final rows)
     blocks[seat, active] = ob
     added[:, 2], added[:, 3] = host[:, bl], host[:, bl + 1]
     c = counts.take(seat, axis=0); c += added; counts[seat] = c

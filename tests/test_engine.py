@@ -223,9 +223,9 @@ def test_scheduler_honours_seats_budget_and_fifo_admission(policy):
     admitted, batches = [], []
     original = scheduler.schedule
 
-    def recording_schedule():
+    def recording_schedule(*args, **kwargs):
         before = set(id(r) for r in scheduler.running)
-        batch = original()
+        batch = original(*args, **kwargs)
         admitted.extend(r.request_id for r in scheduler.running if id(r) not in before)
         batches.append((batch.num_tokens, len(scheduler.running)))
         return batch

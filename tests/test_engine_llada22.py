@@ -144,15 +144,15 @@ def test_every_seat_rebuilt_from_the_host_mirror_changes_no_token(llm, monkeypat
     """What the engine's failure retry does (invalidate_step_state), before every step: counters,
     original-mask column and written-block history all come back from the host exactly."""
     runner = llm.engine.runner
-    original = runner.run
+    original = runner.finish
     rebuilt = []
 
-    def run_on_rebuilt_seats(batch):
+    def finish_on_rebuilt_seats(batch, *args, **kwargs):  # (the decode step reads the seats' device state)
         runner.invalidate_step_state()
         rebuilt.extend(bool(r.request.decoder_log) for r in batch.decode_rows)
-        return original(batch)
+        return original(batch, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "run", run_on_rebuilt_seats)
+    monkeypatch.setattr(runner, "finish", finish_on_rebuilt_seats)
     check(llm, prompts(llm, [5, 16, 23, 40], seed=1), [LEV] * 4)
     assert any(rebuilt) and sum(escapes) > 0
 
@@ -165,10 +165,10 @@ def test_a_failing_levenshtein_row_fails_alone(llm, monkeypatch):
     victim = engine.requests[ids[1]]
     original = runner._decode
 
-    def failing_decode(inputs, *args):
+    def failing_decode(inputs, *args, **kwargs):
         if victim in inputs.requests and victim.forwards_in_block == 3:
             raise RuntimeError("injected step failure")
-        return original(inputs, *args)
+        return original(inputs, *args, **kwargs)
 
     monkeypatch.setattr(runner, "_decode", failing_decode)
     done = {}

@@ -166,6 +166,7 @@ def test_metrics_use_the_fluxlab_prefix_and_count(server, client):
     assert metric_value(text, "fluxlab:forwards_total") >= 1
     assert metric_value(text, "fluxlab:engine_step_seconds_total") > 0
     assert 0 < metric_value(text, "fluxlab:engine_host_seconds_total") <= metric_value(text, "fluxlab:engine_step_seconds_total")
+    assert 0 <= metric_value(text, "fluxlab:forwards_launched_ahead_total") <= metric_value(text, "fluxlab:forwards_total")
     assert metric_value(text, "fluxlab:e2e_request_latency_seconds_count") >= 1
 
 

@@ -232,10 +232,10 @@ def test_a_request_whose_row_breaks_the_step_fails_alone_on_the_real_engine():
     engine = make_engine(cfg)
     original = engine.runner._decode
 
-    def decode(inputs, *args):
+    def decode(inputs, *args, **kwargs):
         if any(5 in r.prompt_ids for r in inputs.requests):
             raise RuntimeError("injected failure of one row")
-        return original(inputs, *args)
+        return original(inputs, *args, **kwargs)
 
     engine.runner._decode = decode
     async_engine = AsyncEngine(engine, cfg.server.max_waiting_requests)

@@ -67,10 +67,10 @@ def test_a_failing_row_fails_alone_and_the_others_match_the_reference(llm, monke
     victim = engine.requests[ids[1]]
     original = runner._decode
 
-    def failing_decode(inputs, *args):
+    def failing_decode(inputs, *args, **kwargs):
         if victim in inputs.requests:
             raise RuntimeError("injected step failure")
-        return original(inputs, *args)
+        return original(inputs, *args, **kwargs)
 
     monkeypatch.setattr(runner, "_decode", failing_decode)
     done = {}
@@ -170,19 +170,22 @@ def test_postprocess_is_the_only_writer_of_request_progress(llm, monkeypatch):
 
     seats = engine.scheduler.seats
     names = ("tokens", "decoding", "state", "columns", "log_len", *PROGRESS, *UNFOLDED)
-    original_run = engine.runner.run
+    def checked(method: str):
+        original = getattr(engine.runner, method)
 
-    def checked_run(batch):
-        before = {name: getattr(seats, name).copy() for name in names}
-        out = original_run(batch)
-        for name in names:
-            if not np.array_equal(before[name], getattr(seats, name)):
-                violations.append((name, f"runner.run changed seats.{name}"))
-        return out
+        def checked_call(*args, **kwargs):
+            before = {name: getattr(seats, name).copy() for name in names}
+            out = original(*args, **kwargs)
+            for name in names:
+                if not np.array_equal(before[name], getattr(seats, name)):
+                    violations.append((name, f"runner.{method} changed seats.{name}"))
+            return out
+        return checked_call
 
     monkeypatch.setattr(sequence.Request, "__setattr__", guarded)
     monkeypatch.setattr(engine.scheduler, "postprocess", wrapped)
-    monkeypatch.setattr(engine.runner, "run", checked_run)
+    for method in ("run", "launch", "finish"):  # (run without async scheduling, launch + finish with it)
+        monkeypatch.setattr(engine.runner, method, checked(method))
     check_parity(llm, prompts(llm, [9, 30], seed=8), [SamplingParams(max_new_tokens=40)] * 2)
     assert not violations, violations[0][1]
 
@@ -335,9 +338,9 @@ def test_a_repeated_schedule_gives_the_rows_a_full_schedule_gives(policy, monkey
         batches, seen, reused = [], {}, []
         original = scheduler.schedule
 
-        def recording_schedule():
+        def recording_schedule(*args, **kwargs):
             reused.append(scheduler._repeat is not None)
-            batch = original()
+            batch = original(*args, **kwargs)
             order = [seen.setdefault(r.serial, len(seen)) for r in batch.requests]  # requests by arrival
             batches.append((order, batch.first_block.tolist(), batch.num_blocks.tolist(), batch.decodes.tolist()))
             return batch
@@ -369,8 +372,8 @@ def test_a_block_whose_last_forward_changed_nothing_needs_no_commit_segment(llm,
     rows = []
     original = llm.engine.scheduler.schedule
 
-    def recording_schedule():
-        batch = original()
+    def recording_schedule(*args, **kwargs):
+        batch = original(*args, **kwargs)
         rows.extend(batch.num_blocks.tolist())
         return batch
 

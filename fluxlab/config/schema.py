@@ -42,6 +42,9 @@ class SchedulerConfig:
     max_scheduled_tokens: int = 512
     num_device_pages: int = 0  # <= 0: profile from free memory (GPU) or engine.cpu_kv_cache_gb (CPU)
     enable_prefix_cache: bool = True  # reuse committed blocks' K/V across requests (paged KV layout)
+    # Launch the next forward of the same rows before postprocess when no block finished (vLLM's
+    # async scheduling); null = on where it runs (one-GPU LLaDA2 engines), off under TP and Diffusion-Gemma.
+    async_scheduling: Optional[bool] = None
 
 
 @dataclass

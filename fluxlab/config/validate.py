@@ -313,6 +313,13 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                    f"{par.tp_size}, dp_size={par.dp_size}, ep_size={par.ep_size}")
             _check(not graphs, "parallel.enable_dp_attention=true runs eagerly: each rank's token count changes every "
                                "step; set attention.use_decode_cuda_graph=false and attention.use_prefill_cuda_graph=false")
+        # Async scheduling launches a forward from rank 0's results alone, and the canvas runner has no launch step.
+        async_ok = par.tp_size == 1 and not is_diffusion_gemma(model)
+        _check(sched.async_scheduling is not True or async_ok,
+               f"scheduler.async_scheduling=true runs on one-GPU LLaDA2 engines only (got parallel.tp_size={par.tp_size}, "
+               f"model={model.name}); leave it null or set it false")
+        if sched.async_scheduling is None:
+            sched.async_scheduling = async_ok
         _check(par.distributed_backend in ("nccl", "gloo"),
                f"parallel.distributed_backend={par.distributed_backend!r}: use nccl or gloo")
         if not on_cuda and par.distributed_backend == "nccl" and par.tp_size > 1:

@@ -109,6 +109,7 @@ class CanvasEngine(LLMEngine):
             self.runner.enable_denoise_graphs(denoise_row_sizes(list(cfg.attention.cuda_graph_capture_bs)),
                                               capture=True)
         self._init_requests()
+        self.async_scheduling = False  # the canvas runner has no separate launch
         log.info("engine ready: %s on %s (%s), %d full-layer KV pages of one %d-token canvas, %d sliding-layer "
                  "pages (%d a request), policy=%s", cfg.model.name, self.device, cfg.engine.dtype,
                  self.block_manager.num_pages, self.block_length, self.block_manager.num_sliding_pages,

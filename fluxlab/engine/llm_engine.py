@@ -17,7 +17,7 @@ from fluxlab.engine.decoding.registry import DECODERS, get_decoder
 from fluxlab.engine.layers.attention import KVCache
 from fluxlab.engine.model_runner import ModelRunner, StepInputs
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
-from fluxlab.engine.scheduler import ScheduledBatch, Scheduler
+from fluxlab.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.stop import StopStrings
 
@@ -161,6 +161,8 @@ class LLMEngine:
         if segment_sizes:
             self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)
         self._init_requests()
+        # the config's null resolves in validate_config; a config that skipped it runs synchronously
+        self.async_scheduling = bool(cfg.scheduler.get("async_scheduling")) and self.runner.on_step is None
         log.info("engine ready: %s on %s (%s), %d KV pages of %d tokens, policy=%s, backend=%s, prefix cache %s",
                  cfg.model.name, self.device, cfg.engine.dtype, self.block_manager.num_pages, self.block_length,
                  cfg.scheduler.policy, cfg.attention.backend, "on" if cfg.scheduler.enable_prefix_cache else "off")
@@ -198,6 +200,10 @@ class LLMEngine:
         self.total_step_seconds = 0.0
         # the part of those steps the GPU waits for: up to the forward's launch, after its results
         self.total_host_seconds = 0.0
+        self.last_step_host_seconds = 0.0  # the last step's share of it
+        self._following = None  # (batch, Launched): the next step's forward, launched ahead by this one
+        self.total_launched_ahead = 0  # forwards launched before the last step's postprocess
+        self.total_dropped_ahead = 0  # ... of which the next schedule did not run those rows (aborts)
 
     # --- decoders the model can run ---
     def _missing_special_ids(self, decoder: str) -> list[str]:
@@ -374,23 +380,34 @@ class LLMEngine:
     isolate_failures = True
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> run (forward + decode, one device->host copy) -> postprocess."""
+        """schedule -> run (forward + decode, one device->host copy) -> postprocess. With async
+        scheduling the run is launch -> finish, and finish launches the next step's forward when the
+        same rows go again (no block finished), so that forward runs while this postprocess does."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
+            self._drop_following()
             return outputs
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(rows_in_flight=self._following is not None)
         if not batch.requests:  # (batch.rows would build a ScheduledRow per row)
+            self._drop_following()
             return outputs
+        runner = self.runner
         try:
-            step_output = self.runner.run(batch)
-            launched_at, results_at = self.runner.launched_at, self.runner.results_at
+            step_output, before = self._run(batch, started)
+            results_at = runner.results_at
+            # the GPU idles from the results to the next launch: now (launched ahead) or in the next step
+            after = runner.launched_at - results_at if self._following is not None else None
             outputs += self.scheduler.postprocess(batch, step_output)
+            if after is None:
+                after = time.perf_counter() - results_at if step_output is not None else 0.0
             self.total_forwards += 1
-            self.total_host_seconds += (launched_at - started) + (time.perf_counter() - results_at)
+            self.last_step_host_seconds = before + after
+            self.total_host_seconds += self.last_step_host_seconds
         except EngineFatalError:
             raise
         except Exception as err:  # noqa: BLE001 - one request's bad step must not fail the batch
+            self._drop_following()
             if not self.isolate_failures:
                 raise
             outputs += self._run_rows_alone(batch, err)
@@ -400,6 +417,38 @@ class LLMEngine:
                 self.requests.pop(out.request_id, None)
         self.total_step_seconds += time.perf_counter() - started
         return outputs
+
+    def _run(self, batch: ScheduledBatch, started: float) -> tuple[Optional[StepOutput], float]:
+        """The batch's forward and decode step, and the host seconds before its launch (none when the
+        last step launched it). Async: the next forward, when finish launched it, is kept in `_following`."""
+        runner = self.runner
+        if not self.async_scheduling:
+            return runner.run(batch), runner.launched_at - started
+        following, self._following = self._following, None
+        if following is not None and batch.same_rows and batch.slots is following[0].slots \
+                and batch.first_block is following[0].first_block:
+            launched, before = following[1], 0.0
+        else:
+            if following is not None:  # its rows changed meanwhile (an abort): that forward is wasted
+                self.total_dropped_ahead += 1
+            launched = runner.launch(batch)
+            before = runner.launched_at - started
+        then = self.scheduler.following(batch)
+        step_output, ahead = runner.finish(batch, launched, then)
+        if ahead is not None:
+            self._following = (then, ahead)
+            self.total_launched_ahead += 1
+        return step_output, before
+
+    def _drop_following(self) -> None:
+        if self._following is not None:
+            self._following = None
+            self.total_dropped_ahead += 1
+
+    @property
+    def forward_in_flight(self) -> bool:
+        """A forward launched ahead by the last step is still queued (its results come with the next)."""
+        return self._following is not None
 
     def _run_rows_alone(self, batch: ScheduledBatch, err: Exception) -> list[RequestOutput]:
         log.warning("a step of %d rows failed (%s: %s); retrying each row alone", len(batch.rows),

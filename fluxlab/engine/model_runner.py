@@ -1,12 +1,14 @@
 """The only owner of device tensors: weights, KV pages, step state, CUDA graphs, the forward, the
 logits head and the decode step.
 
-`run(batch)` = prepare_forward (host arrays, numpy) -> the forward (its inputs read by a replaying
-graph from host memory, else one host->device copy) -> prepare_decode, while the forward runs (the
-decoding rows and the positions whose logits they need) -> the logits head at those positions ->
-decode (on the device) -> one device->host copy of the new blocks. Under TP / DP attention rank 0
-prepares the whole step before the launch (the step message carries the logit rows) and every
-rank calls `execute`.
+`run(batch)` = `launch` (prepare_forward: host arrays, numpy -> the forward: its inputs read by a
+replaying graph from host memory, else one host->device copy) -> `finish` (prepare_decode, while
+the forward runs: the decoding rows and the positions whose logits they need -> the logits head at
+those positions -> decode, on the device -> one device->host copy of the new blocks). `finish` may
+launch the next forward of the same rows as soon as its results show that no row finished its
+block (the engine's async scheduling): the GPU then runs while the host applies the results.
+Under TP / DP attention rank 0 prepares the whole step before the launch (the step message carries
+the logit rows) and every rank calls `execute`.
 """
 from __future__ import annotations
 
@@ -84,6 +86,18 @@ class RowArrays:
     full_index: Optional[np.ndarray] = None  # [F * bl] their flat token indices
     decoders: Optional[list[str]] = None
     owners: Optional[np.ndarray] = None  # [R, 2] (request serial, active block)
+
+
+@dataclass
+class Launched:
+    """A forward in flight (`launch`), what `finish` reads: the hidden states and input ids on the
+    device; under TP / DP (prepared before the launch) the decoding rows and the head's results."""
+
+    inputs: StepInputs
+    hidden: Optional[torch.Tensor]
+    ids: torch.Tensor
+    decode_inputs: Optional["DecodeInputs"] = None
+    head: Optional[tuple] = None  # (greedy, logits, the decode arrays on the device)
 
 
 @dataclass
@@ -201,15 +215,20 @@ class ModelRunner:
         inputs = self.prepare_forward(batch)
         return inputs, self.prepare_decode(batch, inputs)
 
-    def prepare_forward(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare_forward(self, batch: ScheduledBatch, tokens: Optional[np.ndarray] = None) -> StepInputs:
         """The forward's inputs (tokens, positions, segments; no logit rows yet). Every index is
         computed with numpy over the batch's seats (seats.py), no loop over rows; what depends on
-        the rows alone is reused while the scheduler hands the same rows again."""
+        the rows alone is reused while the scheduler hands the same rows again. `tokens`: the
+        query blocks [S, bl] in place of the seats' (a batch of single blocks)."""
         rows = self._rows
         if not (batch.same_rows and rows is not None and rows.slots is batch.slots
                 and rows.first_block is batch.first_block):
             rows = self._rows = self._row_arrays(batch)
-        token_ids = batch.seats.block_rows.take(rows.block_row, axis=0).ravel()
+        if tokens is None:
+            token_ids = batch.seats.block_rows.take(rows.block_row, axis=0).ravel()
+        else:
+            assert batch.single_blocks and tokens.shape == (rows.block_row.shape[0], self.block_length)
+            token_ids = tokens.ravel()
         return StepInputs(token_ids, rows.positions, rows.tp_rows, self._no_logits, seats=rows.tp_seats,
                           segments=rows.segments)
 
@@ -292,23 +311,43 @@ class ModelRunner:
     # --- the forward ---
     def run(self, batch: ScheduledBatch) -> Optional[StepOutput]:
         """One forward over every row and the decode step of its decoding rows."""
-        with torch.inference_mode():  # entered once a step: each entry costs the host µs
-            inputs = self.prepare_forward(batch)
+        return self.finish(batch, self.launch(batch))[0]
+
+    def launch(self, batch: ScheduledBatch, tokens: Optional[np.ndarray] = None) -> Launched:
+        """Start the batch's forward; `tokens`: its rows' active blocks [R, bl] when the seats do not
+        hold them yet (a forward launched ahead of postprocess, `finish`)."""
+        with torch.inference_mode():  # entered once a half step: each entry costs the host µs
+            inputs = self.prepare_forward(batch, tokens)
             if self.on_step is not None:  # TP / DP: every rank is sent the whole step, logit rows too
                 decode_inputs = self.prepare_decode(batch, inputs)
                 self.on_step(inputs)
                 greedy, logits, ids, extra_dev = self.execute(inputs, self._decode_arrays(decode_inputs))
                 self._retired = None
-                return None if decode_inputs is None else self._decode(decode_inputs, greedy, logits, ids, *extra_dev)
+                return Launched(inputs, None, ids, decode_inputs, (greedy, logits, extra_dev))
             hidden, ids, _ = self._forward(inputs, [])
             self._retired = None  # (while the forward runs)
+            return Launched(inputs, hidden, ids)
+
+    def finish(self, batch: ScheduledBatch, launched: Launched, then: Optional[ScheduledBatch] = None
+               ) -> tuple[Optional[StepOutput], Optional[Launched]]:
+        """(the decode step of the launched forward's decoding rows, the next forward or None).
+        `then`: the scheduler's next batch if no row of this one finishes its block now (the same
+        rows on the same blocks, Scheduler.following); launched right after the results show that
+        none did, with the new blocks as its tokens, so the GPU does not wait for postprocess."""
+        with torch.inference_mode():
+            if launched.head is not None:  # TP / DP: decoded rows and head prepared before the launch
+                if launched.decode_inputs is None:
+                    return None, None
+                greedy, logits, extra_dev = launched.head
+                return self._decode(launched.decode_inputs, greedy, logits, launched.ids, *extra_dev)
+            inputs = launched.inputs
             # While the forward runs: the decoding rows, the logit rows, and their upload.
             decode_inputs = self.prepare_decode(batch, inputs)
             if decode_inputs is None:
-                return None
+                return None, None
             logit_index, *extra_dev = self.staging.upload([inputs.logit_index, *self._decode_arrays(decode_inputs)])
-            greedy, logits = self._head(hidden, logit_index, inputs.num_greedy)
-            return self._decode(decode_inputs, greedy, logits, ids, *extra_dev)
+            greedy, logits = self._head(launched.hidden, logit_index, inputs.num_greedy)
+            return self._decode(decode_inputs, greedy, logits, launched.ids, *extra_dev, then=then)
 
     @staticmethod
     def _decode_arrays(decode_inputs: Optional[DecodeInputs]) -> list[np.ndarray]:
@@ -366,7 +405,8 @@ class ModelRunner:
     # --- the decode step ---
     def _decode(self, inputs: DecodeInputs, greedy: Optional[tuple[torch.Tensor, torch.Tensor]],
                 logits: Optional[torch.Tensor], ids: torch.Tensor, slots: torch.Tensor, block_index: torch.Tensor,
-                greedy_target: torch.Tensor, full_rows: torch.Tensor, log_len: torch.Tensor) -> StepOutput:
+                greedy_target: torch.Tensor, full_rows: torch.Tensor, log_len: torch.Tensor,
+                then: Optional[ScheduledBatch] = None) -> tuple[StepOutput, Optional[Launched]]:
         bl = self.block_length
         num = len(inputs.requests)
         state_store = self.step_state
@@ -414,13 +454,26 @@ class ModelRunner:
         host = torch.cat(parts, dim=1).cpu().numpy()  # the step's one device->host copy
         self.staging.drained()  # (so the next step need not wait on the staging event: ~20 µs)
         self.results_at = time.perf_counter()
+        following = None
+        if then is not None and not host[:, bl + 2].any():  # no block is final: the same rows go again
+            following = self._launch_following(then, host[:, :bl])
         at = bl + 3 + len(names)
         out = StepOutput(host[:, :bl], host[:, bl], host[:, bl + 1], host[:, bl + 2].astype(bool), host[:, bl + 3:at],
                          {c: host[:, at + i * bl:at + (i + 1) * bl] for i, c in enumerate(columns)})
         if result.log is not None:
             at += len(columns) * bl
             out.log, out.logged = host[:, at:at + bl], host[:, at + bl].astype(bool)
-        return out
+        return out, following
+
+    def _launch_following(self, batch: ScheduledBatch, blocks: np.ndarray) -> Optional[Launched]:
+        """launch(batch, blocks), or None where it raised: the engine then schedules and launches
+        the next step itself, where a failing row fails alone (this step's results stand)."""
+        try:
+            return self.launch(batch, blocks)
+        except Exception as err:  # noqa: BLE001
+            log.warning("launching the next forward ahead failed (%s: %s); it runs after postprocess",
+                        type(err).__name__, err)
+            return None
 
     def _generator(self, request: Request) -> torch.Generator:
         if request.generator is None:

@@ -288,11 +288,25 @@ class Scheduler:
                              request.finish_reason if finished else None, request.stats,
                              request.text if finished else None, request.error)
 
+    def following(self, batch: ScheduledBatch) -> Optional[ScheduledBatch]:
+        """What the next schedule gives if no row of `batch` finishes its block in this forward:
+        `batch` again (postprocess keeps it as the repeat), or None where it would not. The engine
+        launches it as soon as the results show that no block finished (async scheduling)."""
+        if not batch.single_blocks or len(batch.requests) != len(self.running) or batch.requests != self.running:
+            return None
+        if not batch.same_rows and not self.seats.decoding[batch.slots].all():  # rows whose state changes
+            return None
+        return ScheduledBatch(batch.requests, batch.slots, batch.first_block, batch.num_blocks, batch.decodes,
+                              self.block_length, self.seats, single_blocks=True, same_rows=True)
+
     # --- scheduling ---
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, rows_in_flight: bool = False) -> ScheduledBatch:
+        """rows_in_flight: the next forward of the last batch's rows is running already (launched
+        ahead, `following`): a dynamic scheduler repeats them and admits waiting requests one step
+        later, instead of wasting that forward."""
         self.num_steps += 1
         repeat = self._repeat
-        if repeat is not None and (self.policy != "dynamic" or not self.waiting
+        if repeat is not None and (self.policy != "dynamic" or rows_in_flight or not self.waiting
                                    or len(self.running) >= self.max_num_seqs):
             self.seats.last_scheduled_step[repeat.slots] = self.num_steps
             return ScheduledBatch(repeat.requests, repeat.slots, repeat.first_block, repeat.num_blocks,

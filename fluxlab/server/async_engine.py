@@ -46,6 +46,7 @@ class EngineSnapshot:
     total_step_seconds: float = 0.0
     total_host_seconds: float = 0.0  # of those, host work the GPU waited for
     graph_forwards: int = 0  # forwards that replayed a CUDA graph
+    forwards_launched_ahead: int = 0  # forwards launched before the last step's postprocess (async scheduling)
     kv_cached_pages: int = 0  # pages holding prefix-cache blocks (the unreferenced ones count as free)
     prefix_cache_queried_blocks: int = 0
     prefix_cache_hit_blocks: int = 0
@@ -269,7 +270,8 @@ class AsyncEngine:
             kv_total_pages=e.kv_total_pages, total_forwards=e.total_forwards,
             total_generated_tokens=e.total_generated_tokens, total_step_seconds=e.total_step_seconds,
             total_host_seconds=getattr(e, "total_host_seconds", 0.0),
-            graph_forwards=getattr(e, "graph_forwards", 0), kv_cached_pages=getattr(e, "kv_cached_pages", 0),
+            graph_forwards=getattr(e, "graph_forwards", 0),
+            forwards_launched_ahead=getattr(e, "total_launched_ahead", 0), kv_cached_pages=getattr(e, "kv_cached_pages", 0),
             prefix_cache_queried_blocks=getattr(e, "prefix_cache_queried_blocks", 0),
             prefix_cache_hit_blocks=getattr(e, "prefix_cache_hit_blocks", 0))
 

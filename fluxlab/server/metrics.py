@@ -56,10 +56,12 @@ class _EngineCollector(Collector):
         yield counter("forwards", "Model forwards run by the engine.", snap.total_forwards)
         yield counter("graph_forwards", "Forwards that replayed a CUDA graph (the rest ran eagerly).",
                       snap.graph_forwards)
+        yield counter("forwards_launched_ahead", "Forwards launched before the last step's postprocess (async "
+                      "scheduling: no block finished, so the same rows went again at once).", snap.forwards_launched_ahead)
         yield counter("engine_step_seconds", "Wall time of engine steps that ran a forward (schedule, forward, "
                       "decode); over forwards it is the mean step latency.", snap.total_step_seconds)
-        yield counter("engine_host_seconds", "Of engine_step_seconds, the host work before the forward's launch and "
-                      "after its results reach the host (what the GPU waits for).", snap.total_host_seconds)
+        yield counter("engine_host_seconds", "Of engine_step_seconds, the host work the GPU waits for: "
+                      "from a forward's results to the next launch.", snap.total_host_seconds)
         tpf = snap.total_generated_tokens / snap.total_forwards if snap.total_forwards else 0.0
         yield gauge("avg_tokens_per_forward", "Generated tokens / forwards since start.", tpf)
 

@@ -124,6 +124,7 @@ class ParallelEngine(RankEngine):
             self.runner.on_step = self._check_workers  # the runner sends each rank its part
         else:
             self.runner.on_step = self._broadcast_step
+        self.async_scheduling = False  # every rank runs each step rank 0 decided: nothing launches ahead
         self._monitor = threading.Thread(target=self._watch_workers, name="fluxlab-tp-monitor", daemon=True)
         self._monitor.start()
         log.info("tensor parallel: tp_size=%d ep_size=%d (%s), %d workers ready", par.tp_size, par.ep_size,
