@@ -430,7 +430,7 @@ class LLMEngine:
             launched, before = following[1], 0.0
         else:
             if following is not None:  # its rows changed meanwhile (an abort): that forward is wasted
-                self.total_dropped_ahead += 1
+                self._drop_following(following)
             launched = runner.launch(batch)
             before = runner.launched_at - started
         then = self.scheduler.following(batch)
@@ -440,9 +440,12 @@ class LLMEngine:
             self.total_launched_ahead += 1
         return step_output, before
 
-    def _drop_following(self) -> None:
-        if self._following is not None:
-            self._following = None
+    def _drop_following(self, following: Optional[tuple] = None) -> None:
+        """Drop the forward launched ahead (`following`, else the one kept in `_following`)."""
+        following = following or self._following
+        self._following = None
+        if following is not None:
+            self.runner.settle()
             self.total_dropped_ahead += 1
 
     @property

@@ -465,6 +465,13 @@ class ModelRunner:
             out.log, out.logged = host[:, at:at + bl], host[:, at + bl].astype(bool)
         return out, following
 
+    def settle(self) -> None:
+        """Wait until the queued forwards have run: before a launched forward is dropped (its rows
+        changed), so no host memory it reads (staged inputs, a backend's plan) is rewritten early."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            self.staging.drained()
+
     def _launch_following(self, batch: ScheduledBatch, blocks: np.ndarray) -> Optional[Launched]:
         """launch(batch, blocks), or None where it raised: the engine then schedules and launches
         the next step itself, where a failing row fails alone (this step's results stand)."""
