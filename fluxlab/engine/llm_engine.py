@@ -475,6 +475,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self._pending = []
+        self._drop_following()
         runner = self.runner
         total = runner.num_graph_forwards + runner.num_eager_forwards
         if total:
