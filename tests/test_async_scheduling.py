@@ -10,15 +10,15 @@ from fluxlab.engine.request import SamplingParams
 from test_engine import check_parity, engine_llm, prompts, reference
 
 
-def run_all(engine, batch, params, on_step=None) -> dict:
-    ids = [engine.add_request(p, params) for p in batch]
+def drive(engine, on_step) -> dict:
+    """Step the engine until it has nothing left, calling on_step(engine, step number) before each
+    step; the finished outputs by request id."""
     done, steps = {}, 0
     while engine.has_unfinished():
         steps += 1
-        if on_step is not None:
-            on_step(engine, steps, ids)
+        on_step(engine, steps)
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    return {i: done[i] for i in ids if i in done}
+    return done
 
 
 @pytest.mark.parametrize("policy", ["paged", "dynamic"])
@@ -51,19 +51,19 @@ def test_a_forward_launched_ahead_is_dropped_when_its_rows_change_and_nothing_le
     batch = prompts(llm, [9, 26, 14], seed=11)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     dropped_before = engine.total_dropped_ahead
+    ids = [engine.add_request(p, params) for p in batch]
     aborted = []
 
-    def abort_while_in_flight(engine, steps, ids):
+    def abort_while_in_flight(engine, steps):
         if not aborted and steps > 4 and engine.forward_in_flight:
             aborted.append(ids[1])
             engine.abort_request(ids[1])
 
-    done = run_all(engine, batch, params, abort_while_in_flight)
+    done = drive(engine, abort_while_in_flight)
     assert aborted and done[aborted[0]].finish_reason == "abort"
     assert engine.total_dropped_ahead == dropped_before + 1
     for i in (0, 2):
-        rid = list(done)[i]
-        assert done[rid].token_ids == reference(llm, batch[i], params).token_ids
+        assert done[ids[i]].token_ids == reference(llm, batch[i], params).token_ids
     assert engine.kv_free_pages == engine.kv_total_pages and not engine.forward_in_flight
 
 
@@ -75,13 +75,13 @@ def test_a_request_arriving_while_a_forward_is_in_flight_joins_a_step_later_and_
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     dropped_before = engine.total_dropped_ahead
     ids = [engine.add_request(batch[0], params)]
-    done, arrivals_in_flight = {}, 0
-    while engine.has_unfinished() or len(ids) < len(batch):
+
+    def arrive_while_in_flight(engine, steps):
         if engine.forward_in_flight and len(ids) < len(batch):
-            arrivals_in_flight += 1
             ids.append(engine.add_request(batch[len(ids)], params))
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert arrivals_in_flight == 2 and engine.total_dropped_ahead == dropped_before
+
+    done = drive(engine, arrive_while_in_flight)
+    assert len(ids) == len(batch) and engine.total_dropped_ahead == dropped_before
     for prompt, rid in zip(batch, ids):
         assert done[rid].token_ids == reference(llm, prompt, params).token_ids
     assert engine.kv_free_pages == engine.kv_total_pages

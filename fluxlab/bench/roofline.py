@@ -84,7 +84,7 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
     runner = engine.runner
     graph_before = getattr(runner, "num_graph_forwards", 0)
     eager_before = getattr(runner, "num_eager_forwards", 0)
-    ahead_before = getattr(engine, "total_launched_ahead", 0)
+    ahead_before = engine.total_launched_ahead
     outputs = 0
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -97,16 +97,12 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
         t0 = time.perf_counter()
         for out in engine.step():
             outputs += len(out.new_token_ids)
-        t1 = time.perf_counter()
-        if not getattr(engine, "forward_in_flight", False):  # (a forward launched ahead runs on)
+        if not engine.forward_in_flight:  # (a forward launched ahead runs on)
             torch.cuda.synchronize()
         times[kind].append(1e3 * (time.perf_counter() - t0))
-        if hasattr(engine, "last_step_host_seconds"):
-            # GPU idle for this step's host work: up to its launch (unless the last step launched it),
-            # and from its results to the next launch (async scheduling) or to the step's end
-            host[kind].append(1e3 * engine.last_step_host_seconds)
-        elif runner.launched_at >= t0 and runner.results_at >= runner.launched_at:  # (an older checkout)
-            host[kind].append(1e3 * ((runner.launched_at - t0) + (t1 - runner.results_at)))
+        # GPU idle for this step's host work: up to its launch (unless the last step launched it),
+        # and from its results to the next launch (async scheduling) or to the step's end
+        host[kind].append(1e3 * engine.last_step_host_seconds)
     elapsed = time.perf_counter() - started
     median = {k: statistics.median(v) if v else None for k, v in times.items()}
     host_median = {k: statistics.median(v) if v else None for k, v in host.items()}
@@ -116,8 +112,7 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
             "other_ms_median": median["other"], "host_decode_ms_median": host_median["decode"],
             "host_commit_ms_median": host_median["commit"],
             "graph_share": replays / (replays + eager) if replays + eager else None,
-            "ahead_share": ((getattr(engine, "total_launched_ahead", 0) - ahead_before) / (replays + eager)
-                            if replays + eager else None),
+            "ahead_share": (engine.total_launched_ahead - ahead_before) / (replays + eager) if replays + eager else None,
             "forwards": sum(len(v) for v in times.values()),
             "output_tokens": outputs, "output_tok_s": outputs / elapsed, "elapsed_s": elapsed}
 
@@ -205,7 +200,6 @@ def main() -> None:
     cfg = compose("generate", overrides)
     validate_config(cfg)
     tp = cfg.parallel.tp_size
-    device = torch.device("cuda")
     ceilings = measure_ceilings()
     print(f"ceilings: HBM copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)

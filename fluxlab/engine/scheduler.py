@@ -91,6 +91,11 @@ class ScheduledBatch:
                    np.array([r.num_blocks for r in rows], dtype=np.int64),
                    np.array([r.decodes for r in rows], dtype=bool), block_length, seats)
 
+    def repeated(self, same_rows: bool) -> "ScheduledBatch":
+        """These rows as the next forward's batch, each its active block alone (a batch of single blocks)."""
+        return ScheduledBatch(self.requests, self.slots, self.first_block, self.num_blocks, self.decodes,
+                              self.block_length, self.seats, single_blocks=True, same_rows=same_rows)
+
     def select(self, index: list[int]) -> "ScheduledBatch":
         """The batch of only these rows (a failed step retries each row alone)."""
         return ScheduledBatch([self.requests[i] for i in index], self.slots[index], self.first_block[index],
@@ -237,7 +242,7 @@ class Scheduler:
             # (a commit + decode row's commit is cached now), and no row needs a new page or lets a
             # waiting request in (paged: not at a barrier).
             if not changed and len(batch.requests) == len(self.running):
-                if batch.single_blocks and batch.requests == self.running:
+                if self._repeats_itself(batch, changed=False):
                     self._repeat, self._repeat_same = batch, True
                 elif decodes.all():  # after a commit step, or rows that met at a barrier in another order
                     running = self._running_slot_array()
@@ -292,12 +297,16 @@ class Scheduler:
         """What the next schedule gives if no row of `batch` finishes its block in this forward:
         `batch` again (postprocess keeps it as the repeat), or None where it would not. The engine
         launches it as soon as the results show that no block finished (async scheduling)."""
-        if not batch.single_blocks or len(batch.requests) != len(self.running) or batch.requests != self.running:
-            return None
-        if not batch.same_rows and not self.seats.decoding[batch.slots].all():  # rows whose state changes
-            return None
-        return ScheduledBatch(batch.requests, batch.slots, batch.first_block, batch.num_blocks, batch.decodes,
-                              self.block_length, self.seats, single_blocks=True, same_rows=True)
+        # (postprocess computes `changed` the same way, before it writes seats.decoding)
+        changed = not batch.same_rows and not self.seats.decoding[batch.slots].all()
+        return batch.repeated(same_rows=True) if self._repeats_itself(batch, changed) else None
+
+    def _repeats_itself(self, batch: ScheduledBatch, changed: bool) -> bool:
+        """Whether, when none of its blocks finishes, the next schedule gives `batch` itself again (same
+        rows, same blocks, same order): it held every running request, each on its active block alone,
+        and no row's decoding state changed (`changed`)."""
+        return (not changed and batch.single_blocks and len(batch.requests) == len(self.running)
+                and batch.requests == self.running)
 
     # --- scheduling ---
     def schedule(self, rows_in_flight: bool = False) -> ScheduledBatch:
@@ -309,9 +318,7 @@ class Scheduler:
         if repeat is not None and (self.policy != "dynamic" or rows_in_flight or not self.waiting
                                    or len(self.running) >= self.max_num_seqs):
             self.seats.last_scheduled_step[repeat.slots] = self.num_steps
-            return ScheduledBatch(repeat.requests, repeat.slots, repeat.first_block, repeat.num_blocks,
-                                  repeat.decodes, self.block_length, self.seats, single_blocks=True,
-                                  same_rows=self._repeat_same)
+            return repeat.repeated(same_rows=self._repeat_same)
         total_blocks = self.max_scheduled_tokens // self.block_length
         running = self._place_running(total_blocks)
         if running is None:
