@@ -60,11 +60,47 @@ def _interpreter_checks() -> None:
                     foreign_slots=True)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (out - ref).abs().max().item()
 
+    _check_combine_adds_with_torch_roundings(gen)
     _check_align(gen)
     _check_counting_sort_align_gives_the_scan_align_outputs_bit_for_bit(gen)
     _check_shrunk_row_tiles_give_the_full_tiles_values(gen)
     _check_tma_weight_tiles_match_the_reference(gen)
     print("interpreter checks ok")
+
+
+def _check_combine_adds_with_torch_roundings(gen) -> None:
+    """The combine pass (slot sum, then the shared expert and the residual added) equals torch's
+    `(sum.to(bf16) + shared) + residual` bit for bit. Slot values are multiples of 2**-6 below 4, so
+    their fp32 sum is exact in any order and only the roundings are under test."""
+    from fluxlab.kernels.fused_moe import MoEConfig, combine_slots, fused_moe
+
+    num_tokens, top_k, hidden = 6, 4, 1100  # hidden past one 1024-column block: the masked tail
+    for dt in (torch.bfloat16, torch.float32):
+        slots = (torch.randint(-256, 256, (num_tokens * top_k, hidden), generator=gen) / 64).to(dt)
+        shared = torch.randn(num_tokens, hidden, generator=gen).to(dt)
+        residual = (torch.randn(num_tokens, hidden, generator=gen) * 8).to(dt)
+        summed = slots.view(num_tokens, top_k, hidden).float().sum(dim=1).to(dt)
+        assert torch.equal(combine_slots(slots, top_k), summed)
+        assert torch.equal(combine_slots(slots, top_k, (shared,)), summed + shared)
+        want = (summed + shared) + residual
+        got = combine_slots(slots, top_k, (shared, residual))
+        assert got.dtype == dt and torch.equal(got, want), (dt, (got.float() - want.float()).abs().max())
+        assert not torch.equal(combine_slots(slots, top_k, (residual, shared)), want) or dt == torch.float32
+    # through fused_moe: the adds land on the MoE output as torch would add them
+    num_experts, hidden, inter, top_k, num_tokens = 8, 64, 32, 2, 5
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w_down = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    idx, wts = _routing(num_tokens, num_experts, top_k, gen)
+    cfg = MoEConfig(BLOCK_M=16, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=32, BLOCK_K2=32)
+    plain = fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg)
+    a, b = torch.randn(num_tokens, hidden, generator=gen), torch.randn(num_tokens, hidden, generator=gen)
+    assert torch.equal(fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg, adds=(a, b)), (plain + a) + b)
+    try:
+        fused_moe(x, idx, wts, w_gate_up, w_down, config=cfg, adds=(a, a, a))
+        raise AssertionError("three addends were accepted")
+    except ValueError as err:
+        assert "at most two" in str(err)
 
 
 def _assert_aligned(idx, num_experts, bm, aligned):
@@ -295,6 +331,26 @@ def test_fused_moe_bf16_matches_moe_forward(num_tokens):
     if torch.cuda.get_device_capability()[0] >= 9:
         out2 = grouped_mm_moe(x, idx, wts, w_gate_up, w_down)
         assert (out2.float() - ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
+@pytest.mark.parametrize("num_tokens", [32, 4096])
+def test_combine_pass_equals_torchs_sum_cast_and_adds_on_gpu(num_tokens):
+    """The combine pass against what the layer ran before it: torch.sum(..., dtype=fp32).to(bf16), then the
+    shared expert's and the residual's bf16 adds. The fp32 sums of 8 slots may be reduced in another order,
+    so a bf16 result may differ by one ulp in rare elements; none by more."""
+    from fluxlab.kernels.fused_moe import combine_slots
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    top_k, hidden, bf = 8, 2048, torch.bfloat16
+    slots = torch.randn(num_tokens * top_k, hidden, device="cuda", generator=gen).to(bf) * 0.3
+    shared = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(bf)
+    residual = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(bf) * 4
+    want = (torch.sum(slots.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(bf) + shared) + residual
+    got = combine_slots(slots, top_k, (shared, residual))
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1 and ulps.float().mean().item() < 1e-3, (ulps.max().item(), ulps.float().mean().item())
 
 
 @pytest.mark.gpu

@@ -18,7 +18,10 @@ host synchronisation, so it can be captured in a CUDA graph:
    N-columns in two accumulators, SiLU(gate)*up in the epilogue -> inter [rows, I] (x.dtype).
 3. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
    epilogue, stored per token-slot -> [T*K, H] (x.dtype).
-Then the K slots of each token are summed in fp32 (`torch.sum(..., dtype=float32)`) and cast back.
+4. `_combine_kernel`: the K slots of each token summed in fp32 (k = 0, 1, ... in order) and rounded
+   to x.dtype, then each tensor of `adds` (the shared expert's output, the residual) added with
+   torch's rounding (fp32 sum rounded once per add): the layer's tail in one pass over the slots
+   instead of a reduce, a cast and an add per tensor.
 
 Row blocks past `total` (and programs whose block is past it) exit at once: the grid is sized by
 the worst case and the work by the device-side count. With SHRINK1/SHRINK2 > 0 a row block whose
@@ -168,6 +171,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
 # ----------------------------------------------------------------------------------------------
 
 if HAVE_TRITON:
+    from fluxlab.kernels.fused_norm import _rnd, _tl_dtype
 
     @triton.jit
     def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -353,15 +357,35 @@ if HAVE_TRITON:
                            BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
 
 
+    @triton.jit
+    def _combine_kernel(slot_ptr, add1_ptr, add2_ptr, out_ptr, H, TOPK: tl.constexpr, NUM_ADDS: tl.constexpr,
+                        BLOCK: tl.constexpr, DT: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(TOPK):
+            acc += tl.load(slot_ptr + (t * TOPK + k) * H + cols, mask=inside, other=0.0).to(tl.float32)
+        y = _rnd(acc, DT)
+        if NUM_ADDS >= 1:
+            y = _rnd(y + tl.load(add1_ptr + t * H + cols, mask=inside, other=0.0).to(tl.float32), DT)
+        if NUM_ADDS >= 2:
+            y = _rnd(y + tl.load(add2_ptr + t * H + cols, mask=inside, other=0.0).to(tl.float32), DT)
+        tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host wrappers (no host sync: every size below is a function of shapes only)
 # ----------------------------------------------------------------------------------------------
 
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
               w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None,
-              foreign_slots: bool = False, align=None) -> torch.Tensor:
+              foreign_slots: bool = False, align=None, adds: tuple = ()) -> torch.Tensor:
     """x [T, H], topk_idx [T, K] int, topk_weight [T, K] fp32, w_gate_up [E, 2I, H], w_down [E, H, I]
     -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes).
+
+    adds: up to two [T, H] tensors of x.dtype added to the result in order, each rounded as torch's
+    add (`((moe + adds[0]) + adds[1])`), in the combine's pass.
 
     foreign_slots: some ids are E (expert parallel: routed to another rank). The align step never
     places them, so no GEMM work is spent on them, and they add zero to the combine.
@@ -390,8 +414,30 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     sorted_ids, expert_ids, total = align(topk_idx, num_experts, cfg.BLOCK_M)
     inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg)
     slot_out = down_stage(inter_buf, w_down, topk_weight, sorted_ids, expert_ids, total, cfg, foreign_slots)
-    # Combine the K slots of each token in fp32 (reads x.dtype, accumulates fp32) and cast back.
-    return torch.sum(slot_out.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(out_dtype)
+    return combine_slots(slot_out, top_k, adds, out_dtype)
+
+
+def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
+    """slot_out [T*K, H] -> [T, H]: the fp32 sum of each token's K slots rounded to out_dtype, plus
+    `adds` in order (kernel 4)."""
+    hidden = slot_out.shape[1]
+    num_tokens = slot_out.shape[0] // top_k
+    out_dtype = out_dtype or slot_out.dtype
+    if len(adds) > 2:
+        raise ValueError(f"fused_moe: at most two tensors in adds (got {len(adds)})")
+    adds = tuple(a.to(out_dtype).contiguous() for a in adds)
+    for a in adds:
+        if a.shape != (num_tokens, hidden):
+            raise ValueError(f"fused_moe: an addend of shape {tuple(a.shape)}, not {(num_tokens, hidden)}")
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=slot_out.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    first, second = (adds + (out, out))[:2]
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        slot_out, first, second, out, hidden, TOPK=top_k, NUM_ADDS=len(adds), BLOCK=block,
+        DT=_tl_dtype(out_dtype), num_warps=4)
+    return out
+
 
 
 def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):

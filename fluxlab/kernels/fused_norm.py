@@ -49,7 +49,7 @@ def _interpret() -> bool:
 
 
 if HAVE_TRITON and _interpret():
-    from fluxlab.kernels.fused_moe import _patch_interpreter_for_numpy2
+    from fluxlab.kernels.moe_align import _patch_interpreter_for_numpy2
 
     _patch_interpreter_for_numpy2()
 

@@ -254,17 +254,26 @@ class StackedExperts(nn.Module):
 
     backend = "auto"  # engine.moe_backend: grouped_mm | triton | torch | loop (the engine resolves auto)
 
-    def forward(self, x, topk_idx, topk_weight):
+    def forward(self, x, topk_idx, topk_weight, adds: tuple = ()):
+        """adds (one GPU only): tensors added to the result in order, as `(y + adds[0]) + adds[1]`
+        (the shared expert, the residual); the Triton kernel adds them in its combine pass."""
         if not self.partial:
-            if self.backend == "loop":  # the published modeling code's per-expert loop (baseline timings)
-                return moe_reference(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
-            if x.is_cuda and self.backend != "torch":
-                # Sync-free paths (CUDA-graph capturable).
-                from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe
+            if x.is_cuda and self.backend == "triton":  # sync-free (CUDA-graph capturable)
+                from fluxlab.kernels.fused_moe import fused_moe
 
-                kernel = fused_moe if self.backend == "triton" else grouped_mm_moe
-                return kernel(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
-            return moe_forward(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+                return fused_moe(x, topk_idx, topk_weight, self.w_gate_up, self.w_down, adds=adds)
+            if self.backend == "loop":  # the published modeling code's per-expert loop (baseline timings)
+                y = moe_reference(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+            elif x.is_cuda and self.backend != "torch":
+                from fluxlab.kernels.fused_moe import grouped_mm_moe  # sync-free too
+
+                y = grouped_mm_moe(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+            else:
+                y = moe_forward(x, topk_idx, topk_weight, self.w_gate_up, self.w_down)
+            for a in adds:
+                y = y + a
+            return y
+        assert not adds, "expert-parallel partial sums are all-reduced before any add"
         if self.ep_size > 1:
             local_idx, weight, mine = local_routing(topk_idx, topk_weight, self.first_expert, self.num_local_experts)
         else:

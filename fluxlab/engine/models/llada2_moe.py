@@ -150,8 +150,9 @@ class LLaDA2MoeMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce, **kw)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, residual=None):
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y if residual is None else residual + y
 
 
 class LLaDA2MoeSparseMoeBlock(nn.Module):
@@ -173,21 +174,23 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
                                             dtype, device, dense, reduce=dense.tp_size == 1)
                                if c.num_shared_experts else None)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """residual + routed + shared (residual None: routed + shared), rounded as torch adds them."""
         topk_idx, topk_weight = self.gate(x)  # the full router on every rank: all ranks agree on the choice
         if self.dispatch is not None:  # DP attention: every rank's tokens visit the experts of every rank
             x_all, idx_all, weight_all = dispatch_tokens(x, topk_idx, topk_weight, self.dispatch)
             y = combine_tokens(self.experts(x_all, idx_all, weight_all), x.shape[0], self.dispatch).to(x.dtype)
-            return y + self.shared_experts(x) if self.shared_experts is not None else y
-        y = self.experts(x, topk_idx, topk_weight)
-        if self.tp_size == 1:
+            y = y + self.shared_experts(x) if self.shared_experts is not None else y
+        elif self.tp_size == 1:  # the adds ride the MoE kernel's combine pass
+            shared = (self.shared_experts(x),) if self.shared_experts is not None else ()
+            return self.experts(x, topk_idx, topk_weight, adds=shared + ((residual,) if residual is not None else ()))
+        else:
+            # Each rank's routed partial is an fp32 sum over its slots (fp32 accumulation as on one rank).
+            y = self.experts(x, topk_idx, topk_weight)
             if self.shared_experts is not None:
-                y = y + self.shared_experts(x)
-            return y
-        # Each rank's routed partial is an fp32 sum over its slots (fp32 accumulation as on one rank).
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return all_reduce(y, self.tp_size).to(x.dtype)
+                y = y + self.shared_experts(x).float()
+            y = all_reduce(y, self.tp_size).to(x.dtype)
+        return y if residual is None else residual + y
 
 
 class LLaDA2MoeAttention(nn.Module):
@@ -248,9 +251,9 @@ class LLaDA2MoeDecoderLayer(nn.Module):
             from fluxlab.kernels.fused_norm import add_rms_norm
 
             normed, x = add_rms_norm(h, x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-            return x + self.mlp(normed)
+            return self.mlp(normed, residual=x)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LLaDA2MoeModel(nn.Module):
