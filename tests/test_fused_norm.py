@@ -41,6 +41,26 @@ def _ref_qk_norm_rope(qkv, positions, qw, kw, eps, cos_cache, sin_cache, hq, hkv
     return apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin), v.contiguous()
 
 
+def _rope_operand_scales(qkv, positions, qw, kw, eps, cos_cache, sin_cache, hq, hkv, d, rd):
+    """Per output element the size of what RoPE adds, |x cos| + |rotate_half(x) sin| (|x| past the rotary
+    dims), x the normed q / k; v's elements are themselves."""
+    from fluxlab.engine.layers.norm import rms_norm
+
+    T = qkv.shape[0]
+    q, k, v = qkv.view(T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    if qw is not None:
+        q, k = rms_norm(q, qw, eps), rms_norm(k, kw, eps)
+    cos = cos_cache[positions].to(qkv.dtype)[:, None, :].float().abs()
+    sin = sin_cache[positions].to(qkv.dtype)[:, None, :].float().abs()
+
+    def scale(x):
+        x = x.float().abs()
+        rot = torch.cat([x[..., rd // 2:rd], x[..., :rd // 2]], dim=-1)
+        return torch.cat([x[..., :rd] * cos + rot * sin, x[..., rd:]], dim=-1)
+
+    return scale(q), scale(k), v.float().abs()
+
+
 def _route_inputs(T, H, E, gen, dtype=torch.float32, device="cpu"):
     x = torch.randn(T, H, generator=gen).to(device, dtype)
     gw = (torch.randn(E, H, generator=gen) * H ** -0.5).to(device, dtype)
@@ -176,10 +196,15 @@ def test_qk_norm_rope_gpu_matches_torch(num_tokens):
     kw = (1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).bfloat16()
     args = (qkv, positions, qw, kw, 1e-6, rope.cos_cache, rope.sin_cache, hq, hkv, d, rd)
     refs, outs = _ref_qk_norm_rope(*args), qk_norm_rope(*args)
-    for ref, out in zip(refs, outs):
+    scales = _rope_operand_scales(*args)
+    for name, ref, out, scale in zip("qkv", refs, outs, scales):
         assert out.is_contiguous() and out.shape == ref.shape
-        assert _ulp_diff(out, ref) <= 2
-        assert (out == ref).float().mean().item() > 0.99
+        same = (out == ref).float().mean().item()
+        # The fp32 sum of squares is reduced in another order than torch's, which can move a normed value
+        # by one ulp; RoPE's x*cos + rot*sin can cancel, so the bound is in ulps of its operands.
+        ulp = torch.exp2(torch.floor(torch.log2(scale.clamp_min(1e-30))) - 7)
+        excess = ((out.float() - ref.float()).abs() - 2 * ulp).max().item()
+        assert excess <= 0 and same > 0.99, (name, excess, same)
     # without the norm, RoPE alone is bit-exact
     refs, outs = _ref_qk_norm_rope(qkv, positions, None, None, 1e-6, rope.cos_cache, rope.sin_cache, hq, hkv, d, rd), \
         qk_norm_rope(qkv, positions, None, None, 1e-6, rope.cos_cache, rope.sin_cache, hq, hkv, d, rd)

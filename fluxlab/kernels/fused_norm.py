@@ -8,8 +8,8 @@ do each of those in one launch, sync-free (CUDA-graph capturable), with the publ
   (the weight product is fp32(h_bf16) * fp32(w) rounded once to x.dtype, which is what torch's
   bf16 * bf16 multiply does). `add_rms_norm(x, residual, w, eps)` first forms
   new_residual = (x + residual) rounded to x.dtype (torch's bf16 add), then normalises it.
-* `qk_norm_rope(qkv, positions, q_w, k_w, eps, cos, sin, Hq, Hkv, D, rd)`: one launch over the
-  (token, head) rows of q, k and v: per-head RMSNorm (as above) of q and k, then rotate-half RoPE
+* `qk_norm_rope(qkv, positions, q_w, k_w, eps, cos, sin, Hq, Hkv, D, rd)`: one launch, a program per
+  token over the head rows of q, k and v: per-head RMSNorm (as above) of q and k, then rotate-half RoPE
   on the first rd dims, evaluated with torch's bf16 roundings: cos/sin cast to x.dtype,
   x*cos -> x.dtype, rotate_half(x)*sin -> x.dtype, their sum -> x.dtype; dims >= rd pass through.
   v is copied. Returns contiguous q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D].
@@ -59,20 +59,31 @@ def _next_pow2(n: int) -> int:
 
 
 if HAVE_TRITON:
+    _INTERPRETED = tl.constexpr(_interpret())
 
     @triton.jit
     def _rnd(x, DT: tl.constexpr):
-        """fp32 x rounded to DT (round-to-nearest-even), returned as fp32. bf16 via bit arithmetic:
-        the same result as the GPU's cvt.rn.bf16.f32, and correct under the CPU interpreter, whose
-        fp32->bf16 cast truncates. NaN passes through."""
-        if DT == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-        elif DT == tl.float32:
+        """fp32 x rounded to DT (round-to-nearest-even), returned as fp32. On the GPU one cvt.rn in
+        inline PTX: a Triton cast pair `x.to(bf16).to(fp32)` did not keep the rounding (the GPU
+        tests saw ~10% of QK-norm outputs off torch's), and the bit arithmetic below costs ~10
+        integer instructions a rounding, which made QK-norm + RoPE ALU-bound. Under the CPU
+        interpreter (no PTX; its bf16 cast truncates) the bit arithmetic, which gives the same
+        result (NaN passes through)."""
+        if DT == tl.float32:
             return x
-        else:
+        elif _INTERPRETED:
+            if DT == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+                return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
             return x.to(DT).to(tl.float32)
+        elif DT == tl.bfloat16:  # the bf16 bits as the high half of an fp32 word
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 t, z; cvt.rn.bf16.f32 t, $1; mov.b16 z, 0; mov.b32 $0, {z, t}; }",
+                "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.f16.f32 t, $1; cvt.f32.f16 $0, t; }",
+                                             "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
     # ------------------------------------------------------------------------------------------
     # RMSNorm (optionally with the residual add in front)
@@ -109,49 +120,64 @@ if HAVE_TRITON:
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
                              stride_t, stride_cs, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                             D: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr,
-                             HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr, DT: tl.constexpr):
+                             D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_P: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
+                             DT: tl.constexpr):
+        # One program per token, its heads the rows of [BLOCK_H, .] tiles: a program per (token, head)
+        # moved 256 bytes and left the kernel launch-bound. Each row is loaded as its two rotary
+        # halves and the pass-through rest, so rotate_half pairs tiles instead of gathering.
+        HALF: tl.constexpr = RD // 2
+        REST: tl.constexpr = D - RD
         t = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        offs = tl.arange(0, BLOCK_D)
-        dmask = offs < D
+        head = tl.arange(0, BLOCK_H)[:, None]
+        i = tl.arange(0, BLOCK_R)[None, :]
+        j = tl.arange(0, BLOCK_P)[None, :]
+        rows = head < HQ + 2 * HKV
+        in_half = rows & (i < HALF)
+        in_rest = rows & (j < REST)
+        is_q = head < HQ
+        is_v = head >= HQ + HKV
         src = qkv_ptr + t * stride_t + head * D
-        if head >= HQ + HKV:  # v: plain copy
-            hv = head - HQ - HKV
-            xv = tl.load(src + offs, mask=dmask, other=0.0)
-            tl.store(v_ptr + (t * HKV + hv) * D + offs, xv, mask=dmask)
+        raw1 = tl.load(src + i, mask=in_half, other=0.0)
+        raw2 = tl.load(src + HALF + i, mask=in_half, other=0.0)
+        raw3 = tl.load(src + RD + j, mask=in_rest, other=0.0)
+        x1, x2, x3 = raw1.to(tl.float32), raw2.to(tl.float32), raw3.to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)) / D + eps)
+            r = r[:, None]
+            w1 = tl.where(is_q, tl.load(qw_ptr + i, mask=i < HALF, other=0.0),
+                          tl.load(kw_ptr + i, mask=i < HALF, other=0.0)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i, mask=i < HALF, other=0.0),
+                          tl.load(kw_ptr + HALF + i, mask=i < HALF, other=0.0)).to(tl.float32)
+            w3 = tl.where(is_q, tl.load(qw_ptr + RD + j, mask=j < REST, other=0.0),
+                          tl.load(kw_ptr + RD + j, mask=j < REST, other=0.0)).to(tl.float32)
+            x1 = _rnd(_rnd(x1 * r, DT) * w1, DT)
+            x2 = _rnd(_rnd(x2 * r, DT) * w2, DT)
+            x3 = _rnd(_rnd(x3 * r, DT) * w3, DT)
+        if HAS_POS:
+            prow = tl.load(pos_ptr + t).to(tl.int64)
         else:
-            HALF: tl.constexpr = RD // 2
-            # partner of dim d under rotate_half (identity outside the rotary dims)
-            partner = tl.where(offs < HALF, offs + HALF, tl.where(offs < RD, offs - HALF, offs))
-            x = tl.load(src + offs, mask=dmask, other=0.0).to(tl.float32)
-            xp = tl.load(src + partner, mask=dmask, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                if head < HQ:
-                    w = tl.load(qw_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
-                    wp = tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-                else:
-                    w = tl.load(kw_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
-                    wp = tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-                r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-                x = _rnd(_rnd(x * r, DT) * w, DT)
-                xp = _rnd(_rnd(xp * r, DT) * wp, DT)
-            if HAS_POS:
-                prow = tl.load(pos_ptr + t).to(tl.int64)
-            else:
-                prow = t
-            rmask = offs < RD
-            c = tl.load(cos_ptr + prow * stride_cs + offs, mask=rmask, other=1.0)
-            s = tl.load(sin_ptr + prow * stride_cs + offs, mask=rmask, other=0.0)
-            # cos_cache[positions].to(dtype) as published
-            c = _rnd(c.to(tl.float32), DT)
-            s = _rnd(s.to(tl.float32), DT)
-            rot = tl.where(offs < HALF, -xp, xp)
-            y = tl.where(rmask, _rnd(_rnd(x * c, DT) + _rnd(rot * s, DT), DT), x).to(q_ptr.dtype.element_ty)
-            if head < HQ:
-                tl.store(q_ptr + (t * HQ + head) * D + offs, y, mask=dmask)
-            else:
-                tl.store(k_ptr + (t * HKV + (head - HQ)) * D + offs, y, mask=dmask)
+            prow = t
+        # cos_cache[positions].to(dtype) as published
+        cs = prow * stride_cs
+        c1 = _rnd(tl.load(cos_ptr + cs + i, mask=i < HALF, other=1.0).to(tl.float32), DT)
+        c2 = _rnd(tl.load(cos_ptr + cs + HALF + i, mask=i < HALF, other=1.0).to(tl.float32), DT)
+        s1 = _rnd(tl.load(sin_ptr + cs + i, mask=i < HALF, other=0.0).to(tl.float32), DT)
+        s2 = _rnd(tl.load(sin_ptr + cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32), DT)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), each product and the sum rounded
+        odt = q_ptr.dtype.element_ty
+        y1 = _rnd(_rnd(x1 * c1, DT) + _rnd(-x2 * s1, DT), DT).to(odt)
+        y2 = _rnd(_rnd(x2 * c2, DT) + _rnd(x1 * s2, DT), DT).to(odt)
+        y3 = x3.to(odt)
+        qk = ~is_v
+        dst = tl.where(is_q, q_ptr + (t * HQ + head) * D, k_ptr + (t * HKV + head - HQ) * D)
+        tl.store(dst + i, y1, mask=in_half & qk)
+        tl.store(dst + HALF + i, y2, mask=in_half & qk)
+        tl.store(dst + RD + j, y3, mask=in_rest & qk)
+        vdst = v_ptr + (t * HKV + head - HQ - HKV) * D  # v: a plain copy
+        tl.store(vdst + i, raw1, mask=in_half & is_v)
+        tl.store(vdst + HALF + i, raw2, mask=in_half & is_v)
+        tl.store(vdst + RD + j, raw3, mask=in_rest & is_v)
 
     # ------------------------------------------------------------------------------------------
     # Router: sigmoid, bias, group-limited top-k, normalised weights
@@ -299,12 +325,13 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: to
     assert has_norm == (k_weight is not None)
     assert not has_norm or (q_weight.dtype == dt and k_weight.dtype == dt)
     has_pos = positions is not None
-    block = _next_pow2(head_dim)
-    _qk_norm_rope_kernel[(T, H)](
+    block_h = _next_pow2(H)
+    _qk_norm_rope_kernel[(T,)](
         qkv2, positions if has_pos else qkv2, q_weight if has_norm else qkv2, k_weight if has_norm else qkv2,
         cos2, sin2, q, k, v, qkv2.stride(0), cos2.stride(0), float(eps),
-        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_D=block,
-        HAS_NORM=has_norm, HAS_POS=has_pos, DT=_tl_dtype(dt), num_warps=1 if block <= 256 else 4)
+        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_H=block_h,
+        BLOCK_R=_next_pow2(max(1, rotary_dim // 2)), BLOCK_P=_next_pow2(max(1, head_dim - rotary_dim)),
+        HAS_NORM=has_norm, HAS_POS=has_pos, DT=_tl_dtype(dt), num_warps=4 if block_h * head_dim >= 2048 else 1)
     return q, k, v
 
 
