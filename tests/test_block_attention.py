@@ -60,13 +60,43 @@ def compare_with_sdpa(device: torch.device, dtype: torch.dtype, bl: int, heads: 
 
 def _interpreter_checks() -> None:
     cpu = torch.device("cpu")
-    # GQA 2:1 and MHA; a block of 8 (the kernel pads its rows to 16) and of 16; eager and graph buffers
-    for bl, heads, kv_heads, dim, graph_segments in ((8, 4, 2, 16, 0), (16, 2, 2, 32, 0), (8, 4, 2, 16, 14)):
+    # GQA 2:1, 4:1 (a program stacks a KV head's query heads) and MHA; a block of 8 (the kernel pads its
+    # rows to 16) and of 16; eager and graph buffers
+    for bl, heads, kv_heads, dim, graph_segments in ((8, 4, 2, 16, 0), (8, 8, 2, 16, 0), (16, 2, 2, 32, 0),
+                                                     (8, 4, 2, 16, 14)):
         got, want = compare_with_sdpa(cpu, torch.float32, bl, heads, kv_heads, dim, graph_segments, seed=bl + heads)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _check_stacked_heads_give_the_per_head_programs_outputs()
     # (bf16 only on the GPU: the interpreter's bf16 tl.dot returns garbage, ~1e10 off on a 16x16 product)
     _engine_check()
     print("interpreter checks ok")
+
+
+def _check_stacked_heads_give_the_per_head_programs_outputs() -> None:
+    from fluxlab.kernels.block_attention import block_attention, heads_per_program
+
+    assert heads_per_program(4, 32) == 4 and heads_per_program(8, 32) == 1 and heads_per_program(3, 16) == 1
+    gen = torch.Generator().manual_seed(5)
+    bl, heads, kv_heads, dim, pages = 8, 8, 2, 16, 6
+    k, v = (torch.randn(pages, bl, kv_heads, dim, generator=gen) for _ in range(2))
+    q = torch.randn(3 * bl, heads, dim, generator=gen)
+    table = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 0]], dtype=torch.int32)
+    used = torch.tensor([3 * bl, bl, 2 * bl], dtype=torch.int32)
+    outs = {p: block_attention(q, k, v, table, used, dim ** -0.5, pack=p) for p in (1, 2, 4)}
+    for p in (2, 4):
+        torch.testing.assert_close(outs[p], outs[1], rtol=1e-6, atol=1e-6)
+    # and against the definition: block s attends to every key of its pages
+    s, kv = 2, 1
+    keys = torch.cat([k[4], k[5]])[:, kv]
+    vals = torch.cat([v[4], v[5]])[:, kv]
+    head = 5  # of KV head 1
+    want = torch.softmax(q[2 * bl:3 * bl, head] @ keys.T * dim ** -0.5, dim=-1) @ vals
+    torch.testing.assert_close(outs[4][s * bl:(s + 1) * bl, head], want, rtol=1e-5, atol=1e-5)
+    try:
+        block_attention(q, k, v, table, used, 1.0, pack=3)
+        raise AssertionError("pack=3 with 4 heads per KV head was accepted")
+    except ValueError as err:
+        assert "pack=3" in str(err)
 
 
 def _engine_check() -> None:

@@ -3,8 +3,8 @@
 FlashInfer plans every batch on the host: ~0.37 ms at 18 query blocks and ~0.9-1.0 ms at 64-72
 (measured on H200, docs/benchmarks.md §16), paid on every step of the dynamic policy, whose rows
 enter and leave blocks at different steps, and on paged's block-boundary steps. Here one program
-owns one (query block, query head) pair, reads its request's page table and page count from device
-memory and walks pages 0 .. its block with an online softmax, so the host only copies two small
+owns one query block and the query heads of one KV head (`heads_per_program`), reads its request's
+page table and page count from device memory and walks pages 0 .. its block with an online softmax, so the host only copies two small
 tables (none at all when the rows repeat) and a CUDA graph replays any mix of rows.
 
 Every query block has exactly block_length queries (a segment, layers/segments.py) and attends
@@ -24,23 +24,30 @@ if HAVE_TRITON:
     def _block_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, used_ptr,
                                 stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh,
                                 stride_table, scale_log2, group,
-                                BL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+                                BL: tl.constexpr, BM: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr,
+                                IEEE: tl.constexpr):
+        # One program: one query block and PACK query heads of one KV head, stacked as PACK * BM rows
+        # (head-major), so each key page is loaded once for the heads that share it and the dots are
+        # PACK times taller.
         segment = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // group
-        rows = tl.arange(0, BM)  # BM >= 16 for tl.dot; rows past the block are masked
-        row_ok = rows < BL
+        first_head = tl.program_id(1) * PACK
+        kv_head = first_head // group
+        rows = tl.arange(0, PACK * BM)
+        token = rows % BM  # BM >= 16 for tl.dot; tokens past the block are masked
+        head = first_head + rows // BM
+        row_ok = token < BL
         dims = tl.arange(0, D)
-        q = tl.load(q_ptr + (segment * BL + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        q = tl.load(q_ptr + (segment * BL + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
         num_pages = tl.load(used_ptr + segment) // BL
-        run_max = tl.full([BM], -float("inf"), dtype=tl.float32)
-        run_sum = tl.zeros([BM], dtype=tl.float32)
-        acc = tl.zeros([BM, D], dtype=tl.float32)
-        key_ok = rows < BL  # keys of a page: the same BL slots as the queries of a block
+        run_max = tl.full([PACK * BM], -float("inf"), dtype=tl.float32)
+        run_sum = tl.zeros([PACK * BM], dtype=tl.float32)
+        acc = tl.zeros([PACK * BM, D], dtype=tl.float32)
+        slots = tl.arange(0, BM)
+        key_ok = slots < BL  # keys of a page: the same BL slots as the queries of a block
         for p in range(0, num_pages):
             page = tl.load(table_ptr + segment * stride_table + p).to(tl.int64)
-            at = page * stride_kp + rows[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+            at = page * stride_kp + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
             keys = tl.load(k_ptr + at, mask=key_ok[:, None], other=0.0)
             if IEEE:
                 scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
@@ -58,15 +65,22 @@ if HAVE_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values)
             run_max = new_max
         out = acc / run_sum[:, None]
-        tl.store(out_ptr + (segment * BL + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        tl.store(out_ptr + (segment * BL + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def heads_per_program(group: int, block_m: int) -> int:
+    """Query heads one program stacks: the KV group when it is a power of two and the stack stays
+    within 128 rows, else 1 (a program per query head)."""
+    return group if group & (group - 1) == 0 and group * block_m <= 128 else 1
+
+
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                    used_tokens: torch.Tensor, scale: float) -> torch.Tensor:
+                    used_tokens: torch.Tensor, scale: float, pack: int | None = None) -> torch.Tensor:
     """out [S * bl, Hq, D] for q [S * bl, Hq, D] (S query blocks of bl tokens), one layer's pages
     k_cache / v_cache [P, bl, Hkv, D], page_table [S, W] int32 (each block's request's pages) and
-    used_tokens [S] int32 = (block + 1) * bl: the keys block s attends to are pages 0 .. block."""
+    used_tokens [S] int32 = (block + 1) * bl: the keys block s attends to are pages 0 .. block.
+    pack: query heads per program (default `heads_per_program`; 1 is a program per head)."""
     num_pages, bl, num_kv_heads, head_dim = k_cache.shape
     tokens, num_heads, _ = q.shape
     segments = tokens // bl
@@ -79,9 +93,13 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if segments == 0:
         return out
     block_m = max(16, triton.next_power_of_2(bl))
-    _block_attention_kernel[(segments, num_heads)](
+    group = num_heads // num_kv_heads
+    pack = heads_per_program(group, block_m) if pack is None else pack
+    if group % pack:
+        raise ValueError(f"pack={pack} must divide the {group} query heads of a KV head")
+    _block_attention_kernel[(segments, num_heads // pack)](
         q, k_cache, v_cache, out, page_table, used_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, num_heads // num_kv_heads,
-        BL=bl, BM=block_m, D=head_dim, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, group,
+        BL=bl, BM=block_m, PACK=pack, D=head_dim, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
