@@ -1,0 +1,80 @@
+"""GPU kernel time per steady step of LLaDA2.0-mini shapes (random bf16, block 32, steps 8), by step kind
+(decode / commit) and kernel group, from torch.profiler's kernel records (CUDA-graph replays included).
+It runs the synchronous loop (scheduler.async_scheduling=false) so each step's kernels lie inside its
+window. Run from the repository root on a GPU: python3 docs/device_kernel_profile.py BS [backend]"""
+import collections, sys, time
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from fluxlab.config import compose, validate_config
+from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
+from fluxlab.engine.request import SamplingParams
+from fluxlab.bench.roofline import gsm8k_prompts
+
+bs = int(sys.argv[1]); backend = sys.argv[2] if len(sys.argv) > 2 else "triton"
+cfg = compose("generate", ["model=llada2_mini", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
+                           "decoding.block_length=32", "decoding.steps=8", f"attention={backend}", "scheduler=paged",
+                           "attention.use_decode_cuda_graph=true", f"scheduler.max_num_seqs={bs}",
+                           f"scheduler.max_scheduled_tokens={bs * 64}", "model.max_model_len=1024",
+                           "scheduler.enable_prefix_cache=false", "scheduler.async_scheduling=false"])
+validate_config(cfg)
+eng = LLMEngine(cfg)
+for p in gsm8k_prompts(load_tokenizer(None), bs):
+    eng.add_request(p, SamplingParams(max_new_tokens=512, steps=8, ignore_eos=True))
+for _ in range(30):
+    eng.step()
+torch.cuda.synchronize()
+
+def kind():
+    rows = eng.scheduler.running
+    u = {r.active_block - r.num_cached_blocks for r in rows}
+    return {0: "decode", 1: "commit"}.get(u.pop(), "other") if len(u) == 1 and not eng.scheduler.waiting else "other"
+
+kinds = []
+wall = collections.defaultdict(list)
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for i in range(24):
+        k = kind(); kinds.append(k)
+        t0 = time.perf_counter()
+        with record_function(f"STEP{i}"):
+            eng.step(); torch.cuda.synchronize()
+        wall[k].append(1e3 * (time.perf_counter() - t0))
+ev = prof.profiler.kineto_results.events()
+steps = {}
+kernels = []
+for e in ev:
+    n = e.name()
+    if n.startswith("STEP"):
+        steps[int(n[4:])] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    elif e.device_type() == torch.autograd.DeviceType.CUDA:  # kernels and device copies, not runtime calls
+        kernels.append((e.start_ns(), e.duration_ns(), n))
+
+def group(n):
+    for key, g in (("_gate_up_kernel", "moe gate-up"), ("_down_kernel", "moe down"), ("align", "moe align"),
+                   ("_count_kernel", "moe align"), ("_chunk", "moe align"), ("_block_attention", "attention"),
+                   ("_stats_kernel", "vocab stats"), ("_route_kernel", "router topk"), ("_qk_norm_rope", "qk-norm rope"),
+                   ("rms_norm", "rms norm"), ("_combine_kernel", "moe combine"), ("Memcpy", "memcpy"), ("nvjet", "gemm"), ("gemm", "gemm"), ("Kernel2", "gemm"),
+                   ("sm90", "gemm"), ("cutlass", "gemm"), ("reduce", "reduce"), ("elementwise", "elementwise"),
+                   ("CatArray", "cat/copy"), ("index", "index/gather"), ("gather", "index/gather"),
+                   ("sort", "sort/topk"), ("topk", "sort/topk")):
+        if key in n:
+            return g
+    return "other"
+
+per = {k: collections.defaultdict(float) for k in ("decode", "commit", "other")}
+names = {k: collections.defaultdict(float) for k in ("decode", "commit", "other")}
+cnt = collections.Counter()
+for i, (a, b) in steps.items():
+    k = kinds[i]; cnt[k] += 1
+    for s, d, n in kernels:
+        if a <= s <= b:
+            per[k][group(n)] += d / 1e3; names[k][n[:90]] += d / 1e3
+for k in ("decode", "commit"):
+    if not cnt[k]:
+        continue
+    c = cnt[k]; tot = sum(per[k].values()) / c
+    print(f"== bs={bs} {backend} {k}: {c} steps, wall median {sorted(wall[k])[len(wall[k])//2]:.2f} ms, "
+          f"GPU kernel sum {tot / 1e3:.2f} ms/step")
+    for g, us in sorted(per[k].items(), key=lambda t: -t[1]):
+        print(f"   {g:<14} {us / c / 1e3:7.3f} ms  {us / c / tot:5.1%}")
+    for n, us in sorted(names[k].items(), key=lambda t: -t[1])[:14]:
+        print(f"      {us / c:8.1f} us  {n}")
