@@ -4,8 +4,9 @@ FlashInfer plans every batch on the host: ~0.37 ms at 18 query blocks and ~0.9-1
 (measured on H200, docs/benchmarks.md §16), paid on every step of the dynamic policy, whose rows
 enter and leave blocks at different steps, and on paged's block-boundary steps. Here one program
 owns one query block and the query heads of one KV head (`heads_per_program`), reads its request's
-page table and page count from device memory and walks pages 0 .. its block with an online softmax, so the host only copies two small
-tables (none at all when the rows repeat) and a CUDA graph replays any mix of rows.
+page table and page count from device memory and walks pages 0 .. its block with an online softmax,
+so the host only copies two small tables (none at all when the rows repeat) and a CUDA graph replays
+any mix of rows.
 
 Every query block has exactly block_length queries (a segment, layers/segments.py) and attends
 bidirectionally to every key of its pages: pages before its own hold final blocks, its own page its
@@ -95,7 +96,7 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = max(16, triton.next_power_of_2(bl))
     group = num_heads // num_kv_heads
     pack = heads_per_program(group, block_m) if pack is None else pack
-    if group % pack:
+    if pack < 1 or group % pack:
         raise ValueError(f"pack={pack} must divide the {group} query heads of a KV head")
     _block_attention_kernel[(segments, num_heads // pack)](
         q, k_cache, v_cache, out, page_table, used_tokens,
