@@ -44,12 +44,7 @@ def _ref_qk_norm_rope(qkv, positions, qw, kw, eps, cos_cache, sin_cache, hq, hkv
 def _rope_operand_scales(qkv, positions, qw, kw, eps, cos_cache, sin_cache, hq, hkv, d, rd):
     """Per output element the size of what RoPE adds, |x cos| + |rotate_half(x) sin| (|x| past the rotary
     dims), x the normed q / k; v's elements are themselves."""
-    from fluxlab.engine.layers.norm import rms_norm
-
-    T = qkv.shape[0]
-    q, k, v = qkv.view(T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-    if qw is not None:
-        q, k = rms_norm(q, qw, eps), rms_norm(k, kw, eps)
+    q, k, v = _ref_qk_norm_rope(qkv, positions, qw, kw, eps, cos_cache[:, :0], sin_cache[:, :0], hq, hkv, d, 0)
     cos = cos_cache[positions].to(qkv.dtype)[:, None, :].float().abs()
     sin = sin_cache[positions].to(qkv.dtype)[:, None, :].float().abs()
 
