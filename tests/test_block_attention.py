@@ -58,6 +58,53 @@ def compare_with_sdpa(device: torch.device, dtype: torch.dtype, bl: int, heads: 
     return got, want
 
 
+def fused_and_unfused_writes(device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """[(output, K pool, V pool)] of one LLaDA2 attention layer over random paged rows with the fused
+    QK-norm + RoPE: first writing K/V straight to the triton backend's slot rows (PagedBackend.kv_rows +
+    attend), then through the same backend hidden behind a plain `forward` (k, v out, then the
+    backend's index_put write). use_fused is forced on, so this runs on CPU under the interpreter too."""
+    from unittest import mock
+
+    from fluxlab.engine.layers.attention import KVCache, build_metadata
+    from fluxlab.engine.layers.attention_triton import TritonAttention
+    from fluxlab.engine.layers.rotary import PartialRotary
+    from fluxlab.engine.layers.segments import Segments
+    from fluxlab.engine.models import llada2_moe
+    from fluxlab.engine.models.llada2_moe import LLaDA2MoeAttention, LLaDA2MoeConfig
+
+    class Forward:  # the backend without kv_rows/attend: the model takes the qk_norm_rope + forward path
+        def __init__(self, backend):
+            self.backend = backend
+
+        def forward(self, *args):
+            return self.backend.forward(*args)
+
+    bl, num_pages = 16, 24
+    c = LLaDA2MoeConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    gen = torch.Generator().manual_seed(seed)
+    layer = LLaDA2MoeAttention(c, 0, dtype, device)
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_((1 + 0.1 * torch.randn(prm.shape, generator=gen)) if prm.dim() == 1
+                      else torch.randn(prm.shape, generator=gen) * prm.shape[-1] ** -0.5)
+    rows = random_rows(5, num_pages, random.Random(seed), max_blocks=3)
+    segments = Segments.of_rows(rows)
+    n = sum(r[1] for r in rows) * bl
+    x = torch.randn(n, c.hidden_size, generator=gen).to(device, dtype)
+    rope = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, 4096).to(device)
+    cos, sin = rope.cos_sin(torch.from_numpy(segments.slot_mapping(bl) % 4096).to(device), dtype)
+    results = []
+    for wrap in (False, True):
+        cache = KVCache(1, num_pages, bl, c.num_key_value_heads, c.head_dim, dtype, device)
+        backend = TritonAttention(cache, device, num_qo_heads=c.num_attention_heads, head_dim=c.head_dim,
+                                  max_blocks_per_seq=8)
+        backend.begin(build_metadata(segments, bl, device, dense=False))
+        with mock.patch.object(llada2_moe, "use_fused", lambda t: True):
+            out = layer(x, (cos[:, None, :], sin[:, None, :]), Forward(backend) if wrap else backend)
+        results.append((out, cache.k.clone(), cache.v.clone()))
+    return results
+
+
 def _interpreter_checks() -> None:
     cpu = torch.device("cpu")
     # GQA 2:1, 4:1 (a program stacks a KV head's query heads) and MHA; a block of 8 (the kernel pads its
@@ -67,6 +114,10 @@ def _interpreter_checks() -> None:
         got, want = compare_with_sdpa(cpu, torch.float32, bl, heads, kv_heads, dim, graph_segments, seed=bl + heads)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     _check_stacked_heads_give_the_per_head_programs_outputs()
+    fused, unfused = fused_and_unfused_writes(cpu, torch.float32)
+    assert fused[1].any() and fused[2].any()
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
     # (bf16 only on the GPU: the interpreter's bf16 tl.dot returns garbage, ~1e10 off on a 16x16 product)
     _engine_check()
     print("interpreter checks ok")
@@ -144,6 +195,17 @@ def test_triton_matches_sdpa_on_gpu(graph_segments):
     assert (want - got).norm() / want.norm() < 1e-2 and (want - got).abs().max().item() < 3e-2
     got, want = compare_with_sdpa(cuda, torch.float32, 32, 16, 4, 128, graph_segments)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_kv_write_gives_the_backend_writes_cache_and_output():
+    """bf16: the fused QK-norm + RoPE writing K/V to the slot rows gives, bit for bit, the cache and
+    the attention output of qk_norm_rope + the backend's own write."""
+    fused, unfused = fused_and_unfused_writes(torch.device("cuda"), torch.bfloat16)
+    assert fused[1].any() and fused[2].any()
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

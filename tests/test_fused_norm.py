@@ -68,7 +68,7 @@ def _interpreter_checks() -> None:
     from fluxlab.engine.layers.moe import route
     from fluxlab.engine.layers.norm import rms_norm as ref_rms_norm
     from fluxlab.engine.layers.rotary import PartialRotary
-    from fluxlab.kernels.fused_norm import add_rms_norm, qk_norm_rope, rms_norm, route_topk
+    from fluxlab.kernels.fused_norm import add_rms_norm, qk_norm_rope, qk_norm_rope_to_cache, rms_norm, route_topk
 
     gen = torch.Generator().manual_seed(0)
 
@@ -115,6 +115,14 @@ def _interpreter_checks() -> None:
             cos_t = rope.cos_cache[positions].to(dt)
             sin_t = rope.sin_cache[positions].to(dt)
             outs2 = qk_norm_rope(qkv, None, qw, kw, 1e-6, cos_t, sin_t, hq, hkv, d, rd)
+            # k/v straight to cache slot rows (a shuffled subset of 2T slots), q unchanged
+            slots = torch.randperm(2 * T, generator=gen)[:T]
+            k_rows = torch.zeros(2 * T, hkv, d, dtype=dt)
+            v_rows = torch.zeros(2 * T, hkv, d, dtype=dt)
+            q3 = qk_norm_rope_to_cache(qkv, None, qw, kw, 1e-6, cos_t, sin_t, hq, hkv, d, rd, k_rows, v_rows, slots)
+            assert torch.equal(q3, outs[0]) and torch.equal(k_rows[slots], outs[1]) and torch.equal(v_rows[slots], outs[2])
+            untouched = torch.ones(2 * T, dtype=torch.bool).index_fill_(0, slots, False)
+            assert not k_rows[untouched].any() and not v_rows[untouched].any()
             for name, ref, out, out2 in zip("qkv", refs, outs, outs2):
                 assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous(), name
                 torch.testing.assert_close(out2, out, rtol=0, atol=0)

@@ -12,7 +12,8 @@ do each of those in one launch, sync-free (CUDA-graph capturable), with the publ
   token over the head rows of q, k and v: per-head RMSNorm (as above) of q and k, then rotate-half RoPE
   on the first rd dims, evaluated with torch's bf16 roundings: cos/sin cast to x.dtype,
   x*cos -> x.dtype, rotate_half(x)*sin -> x.dtype, their sum -> x.dtype; dims >= rd pass through.
-  v is copied. Returns contiguous q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D].
+  v is copied. Returns contiguous q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D];
+  `qk_norm_rope_to_cache` writes k and v to their KV-cache slot rows instead and returns q.
 * `route_topk(x, gate_weight, expert_bias, ...)`: the router GEMM stays torch (`moe.router_logits`, fp32
   logits, as `moe.route`), then one program per token does sigmoid, +bias, group scores (sum of the top-2
   biased scores per group), keeps topk_group groups, picks top_k experts among them in descending
@@ -118,11 +119,11 @@ if HAVE_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+    def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
                              stride_t, stride_cs, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                              D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_P: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
-                             DT: tl.constexpr):
+                             HAS_SLOTS: tl.constexpr, DT: tl.constexpr):
         # One program per token, its heads the rows of [BLOCK_H, .] tiles: a program per (token, head)
         # moved 256 bytes and left the kernel launch-bound. Each row is loaded as its two rotary
         # halves and the pass-through rest, so rotate_half pairs tiles instead of gathering.
@@ -170,11 +171,15 @@ if HAVE_TRITON:
         y2 = _rnd(_rnd(x2 * c2, DT) + _rnd(x1 * s2, DT), DT).to(odt)
         y3 = x3.to(odt)
         qk = ~is_v
-        dst = tl.where(is_q, q_ptr + (t * HQ + head) * D, k_ptr + (t * HKV + head - HQ) * D)
+        if HAS_SLOTS:  # k/v rows are cache slot rows: token t's go to row slot[t]
+            kv_row = tl.load(slot_ptr + t).to(tl.int64)
+        else:
+            kv_row = t
+        dst = tl.where(is_q, q_ptr + (t * HQ + head) * D, k_ptr + (kv_row * HKV + head - HQ) * D)
         tl.store(dst + i, y1, mask=in_half & qk)
         tl.store(dst + HALF + i, y2, mask=in_half & qk)
         tl.store(dst + RD + j, y3, mask=in_rest & qk)
-        vdst = v_ptr + (t * HKV + head - HQ - HKV) * D  # v: a plain copy
+        vdst = v_ptr + (kv_row * HKV + head - HQ - HKV) * D  # v: a plain copy
         tl.store(vdst + i, raw1, mask=in_half & is_v)
         tl.store(vdst + HALF + i, raw2, mask=in_half & is_v)
         tl.store(vdst + RD + j, raw3, mask=in_rest & is_v)
@@ -304,6 +309,31 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: to
     the model's already-cast `cos_sin` (cos[:, 0, :]). Either way they are rounded to qkv.dtype
     before use, as the published code does. q_weight/k_weight None: no QK-norm (use_qk_norm=False).
     """
+    T, dev, dt = qkv.shape[0], qkv.device, qkv.dtype
+    k = torch.empty(T, num_kv_heads, head_dim, dtype=dt, device=dev)
+    v = torch.empty(T, num_kv_heads, head_dim, dtype=dt, device=dev)
+    q = _qk_norm_rope(qkv, positions, q_weight, k_weight, eps, cos_cache, sin_cache, num_q_heads, num_kv_heads,
+                      head_dim, rotary_dim, k, v, None)
+    return q, k, v
+
+
+def qk_norm_rope_to_cache(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, eps: float, cos_cache: torch.Tensor,
+                          sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          rotary_dim: int, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`qk_norm_rope` whose k and v go straight to the KV cache: token t's to row slot_mapping[t] of
+    k_rows / v_rows ([slots, Hkv, D], contiguous, qkv's dtype), as `KVCache.write` would put them
+    (a slot written twice in one call keeps one of the writes, as index_put does). Returns q."""
+    assert k_rows.dtype == v_rows.dtype == qkv.dtype and k_rows.is_contiguous() and v_rows.is_contiguous()
+    assert k_rows.shape[1:] == v_rows.shape[1:] == (num_kv_heads, head_dim), (k_rows.shape, v_rows.shape)
+    assert slot_mapping.shape == (qkv.shape[0],) and not slot_mapping.is_floating_point()
+    return _qk_norm_rope(qkv, positions, q_weight, k_weight, eps, cos_cache, sin_cache, num_q_heads, num_kv_heads,
+                         head_dim, rotary_dim, k_rows, v_rows, slot_mapping)
+
+
+def _qk_norm_rope(qkv, positions, q_weight, k_weight, eps, cos_cache, sin_cache, num_q_heads, num_kv_heads,
+                  head_dim, rotary_dim, k_out, v_out, slots):
     T = qkv.shape[0]
     H = num_q_heads + 2 * num_kv_heads
     qkv2 = qkv.reshape(T, H * head_dim)
@@ -317,10 +347,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: to
         cos2, sin2 = cos2.contiguous(), sin2.contiguous()
     dev, dt = qkv.device, qkv.dtype
     q = torch.empty(T, num_q_heads, head_dim, dtype=dt, device=dev)
-    k = torch.empty(T, num_kv_heads, head_dim, dtype=dt, device=dev)
-    v = torch.empty(T, num_kv_heads, head_dim, dtype=dt, device=dev)
     if T == 0:
-        return q, k, v
+        return q
     has_norm = q_weight is not None
     assert has_norm == (k_weight is not None)
     assert not has_norm or (q_weight.dtype == dt and k_weight.dtype == dt)
@@ -328,11 +356,12 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: to
     block_h = _next_pow2(H)
     _qk_norm_rope_kernel[(T,)](
         qkv2, positions if has_pos else qkv2, q_weight if has_norm else qkv2, k_weight if has_norm else qkv2,
-        cos2, sin2, q, k, v, qkv2.stride(0), cos2.stride(0), float(eps),
-        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_H=block_h,
+        cos2, sin2, q, k_out, v_out, slots if slots is not None else qkv2, qkv2.stride(0), cos2.stride(0),
+        float(eps), HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_H=block_h,
         BLOCK_R=_next_pow2(max(1, rotary_dim // 2)), BLOCK_P=_next_pow2(max(1, head_dim - rotary_dim)),
-        HAS_NORM=has_norm, HAS_POS=has_pos, DT=_tl_dtype(dt), num_warps=4 if block_h * head_dim >= 2048 else 1)
-    return q, k, v
+        HAS_NORM=has_norm, HAS_POS=has_pos, HAS_SLOTS=slots is not None, DT=_tl_dtype(dt),
+        num_warps=4 if block_h * head_dim >= 2048 else 1)
+    return q
 
 
 def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,

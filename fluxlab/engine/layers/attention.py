@@ -83,12 +83,40 @@ class KVCache:
                        dtype: torch.dtype) -> int:
         return 2 * num_layers * block_length * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
+    def rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s K and V pools as [num_pages * block_length, num_kv_heads, head_dim] slot rows."""
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_idx].view(-1, *k.shape[1:])[slot_mapping] = k
-        self.v[layer_idx].view(-1, *v.shape[1:])[slot_mapping] = v
+        k_rows, v_rows = self.rows(layer_idx)
+        k_rows[slot_mapping] = k
+        v_rows[slot_mapping] = v
 
 
-class SdpaAttention:
+class PagedBackend:
+    """A backend whose forward writes the forward's K/V to their cache slots, then attends from the
+    pages. A model whose own kernel produces K/V (the fused QK-norm + RoPE) writes them to `kv_rows`
+    itself and calls `attend`: the separate write was two index_put launches a layer (~0.3 ms of a
+    batch-64 decode forward on the H200, docs/benchmarks.md §21)."""
+
+    cache: KVCache
+    meta: Optional[AttentionMetadata]
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+        return self.attend(layer_idx, q)
+
+    def kv_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K slot rows, V slot rows, slot_mapping [T]): where `forward` would write token t's K/V."""
+        return (*self.cache.rows(layer_idx), self.meta.slot_mapping)
+
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the pages, this forward's K/V already in their slots."""
+        raise NotImplementedError
+
+
+class SdpaAttention(PagedBackend):
     """Gathers each row's pages into a padded batch and calls torch sdpa with the block-causal mask."""
 
     def __init__(self, cache: KVCache):
@@ -98,9 +126,8 @@ class SdpaAttention:
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        self.cache.write(layer_idx, meta.slot_mapping, k, v)
         num_rows, max_pages = meta.page_indices.shape
         heads, dim = q.shape[1], q.shape[2]
         keys = self.cache.k[layer_idx][meta.page_indices].flatten(1, 2)  # [R, P*bl, Hkv, D]

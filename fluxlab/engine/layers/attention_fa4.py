@@ -24,8 +24,7 @@ class Fa4Attention(PageTableAttention):
         super().__init__(*args, **kwargs)
         self.attend = flash_attn_varlen_func
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         bl = self.block_length
         segments = q.shape[0] // bl
         out = self.attend(q.view(segments, bl, self.num_qo_heads, self.head_dim),

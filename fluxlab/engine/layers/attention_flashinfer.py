@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
+from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, PagedBackend
 from fluxlab.engine.layers.segments import Segments
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -63,7 +63,7 @@ def plan_tensors(segments: Segments, block_length: int, device: torch.device
     return segments.memo(("flashinfer", block_length, device), build)
 
 
-class FlashInferAttention:
+class FlashInferAttention(PagedBackend):
     def __init__(self, cache: KVCache, model_config, device: torch.device, *, num_qo_heads: Optional[int] = None,
                  num_kv_heads: Optional[int] = None, graph_segments: int = 0, graph_max_pages: int = 0,
                  workspace: Optional[SharedWorkspace] = None):
@@ -118,6 +118,5 @@ class FlashInferAttention:
         self.meta = meta
         self.plan(meta.segments)
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         return self.wrapper.run(q.contiguous(), (self.cache.k[layer_idx], self.cache.v[layer_idx]))

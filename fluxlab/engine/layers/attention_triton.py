@@ -10,7 +10,6 @@ from fluxlab.kernels.block_attention import block_attention
 
 
 class TritonAttention(PageTableAttention):
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         return block_attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], self.page_table,
                                self.seqused_k, self.head_dim ** -0.5)

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fluxlab.engine.layers.attention import AttentionMetadata, KVCache
+from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, PagedBackend
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.staging import mapped_host
 
@@ -32,11 +32,10 @@ def segment_tables(segments: Segments, width: int, fill_page: int = 0) -> tuple[
     return table, windows.astype(np.int32)
 
 
-class PageTableAttention:
+class PageTableAttention(PagedBackend):
     """The plan half: `page_table` [S, W] int32 and `seqused_k` [S] int32 (keys each segment attends
     to) on the device; with `graph_segments` they are fixed buffers that `copy_plan_in` (captured at
-    the head of the graph) fills from the mapped host tables `plan` wrote. Subclasses write K/V and
-    attend in `forward`."""
+    the head of the graph) fills from the mapped host tables `plan` wrote. Subclasses `attend`."""
 
     def __init__(self, cache: KVCache, device: torch.device, *, num_qo_heads: int, head_dim: int,
                  max_blocks_per_seq: int, graph_segments: int = 0):

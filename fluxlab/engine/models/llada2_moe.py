@@ -1,7 +1,9 @@
 """LLaDA2-MoE (`model_type: llada2_moe`, BailingMoeV2 run without a causal mask), written for the engine.
 
 The model sees flattened tokens of a whole batch, their absolute positions, and an attention
-backend `attn` with `attn.forward(layer_idx, q, k, v)`. It never sees requests, caches or masks.
+backend `attn` with `attn.forward(layer_idx, q, k, v)` (a paged backend also offers `kv_rows` +
+`attend`: the fused QK-norm + RoPE writes K/V to the slot rows it is handed). It never sees
+requests or masks, and of the cache only those rows.
 Module names mirror the checkpoint (minus the leading `model.`), except routed experts, which are
 stacked per layer (see layers/moe.py and engine/loader.py).
 """
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fluxlab.engine.layers.attention import PagedBackend
 from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, ParallelLMHead, QKVParallelLinear,
                                           RowParallelLinear, VocabParallelEmbedding, all_reduce,
                                           get_parallel_dims)
@@ -217,14 +220,16 @@ class LLaDA2MoeAttention(nn.Module):
         T = x.shape[0]
         qkv = self.query_key_value(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        if use_fused(qkv):  # QK-norm + partial RoPE + contiguous q/k/v in one Triton launch
-            from fluxlab.kernels.fused_norm import qk_norm_rope
+        if use_fused(qkv):  # QK-norm + partial RoPE in one Triton launch, k/v straight to the cache if paged
+            from fluxlab.kernels.fused_norm import qk_norm_rope, qk_norm_rope_to_cache
 
-            qw = self.query_layernorm.weight if self.use_qk_norm else None
-            kw = self.key_layernorm.weight if self.use_qk_norm else None
-            q, k, v = qk_norm_rope(qkv, None, qw, kw, self.eps, cos[:, 0], sin[:, 0], self.num_heads,
-                                   self.num_kv_heads, self.head_dim, cos.shape[-1])
-            o = attn.forward(self.layer_idx, q, k, v)
+            args = (qkv, None, self.query_layernorm.weight if self.use_qk_norm else None,
+                    self.key_layernorm.weight if self.use_qk_norm else None, self.eps, cos[:, 0], sin[:, 0],
+                    self.num_heads, self.num_kv_heads, self.head_dim, cos.shape[-1])
+            if isinstance(attn, PagedBackend):
+                o = attn.attend(self.layer_idx, qk_norm_rope_to_cache(*args, *attn.kv_rows(self.layer_idx)))
+            else:
+                o = attn.forward(self.layer_idx, *qk_norm_rope(*args))
             return self.dense(o.reshape(T, self.num_heads * self.head_dim))
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:  # per-head norm before RoPE, as published
