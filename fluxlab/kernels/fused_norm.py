@@ -189,56 +189,63 @@ if HAVE_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _ordered(x):
+        """fp32 -> int64 with the same order (not NaN): the bits, negatives' magnitude bits flipped."""
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+    @triton.jit
+    def _unordered(key):
+        """The fp32 whose `_ordered` is key >> 32 (the value half of a packed key)."""
+        bits = (key >> 32).to(tl.int32)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, stride_l, scale,
                       G: tl.constexpr, GS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, TOP2: tl.constexpr):
+        # Every "largest, lowest index on ties" is one max over packed keys (value << 32 | ~index):
+        # separate value-max, index-min and score-sum reductions made three reductions a pick.
         t = tl.program_id(0).to(tl.int64)
         g = tl.arange(0, BLOCK_G)[:, None]
         j = tl.arange(0, BLOCK_GS)[None, :]
         e = g * GS + j                                    # expert id [BLOCK_G, BLOCK_GS]
         valid = (g < G) & (j < GS)
         BIG: tl.constexpr = BLOCK_G * BLOCK_GS
-        logits = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=0.0)
-        scores = tl.sigmoid(logits)
+        NONE: tl.constexpr = -9223372036854775807 - 1    # below every packed key
+        row = logits_ptr + t * stride_l
+        choice = tl.sigmoid(tl.load(row + e, mask=valid, other=0.0))
         if HAS_BIAS:
-            choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0)
-        else:
-            choice = scores
+            choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0)
         choice = tl.where(valid, choice, float("-inf"))
+        key = (_ordered(choice) << 32) | (BIG - 1 - e).to(tl.int64)
         if G > 1:
             # group score = sum of the top-2 biased scores of each group
-            m1 = tl.max(choice, axis=1)
+            k1 = tl.max(key, axis=1)
+            gscore = _unordered(k1)
             if TOP2:
-                a1 = tl.min(tl.where(choice == m1[:, None], j, BLOCK_GS), axis=1)
-                m2 = tl.max(tl.where(j == a1[:, None], float("-inf"), choice), axis=1)
-                gscore = m1 + m2
-            else:
-                gscore = m1
+                gscore += _unordered(tl.max(tl.where(key == k1[:, None], NONE, key), axis=1))
             gid = tl.arange(0, BLOCK_G)
-            gscore = tl.where(gid < G, gscore, float("-inf"))
+            gkey = tl.where(gid < G, (_ordered(gscore) << 32) | (BLOCK_G - 1 - gid).to(tl.int64), NONE)
             keep = gid < 0
             for _ in range(TOPK_GROUP):
-                best = tl.max(gscore, axis=0)
-                bi = tl.min(tl.where(gscore == best, gid, BLOCK_G), axis=0)
-                keep = keep | (gid == bi)
-                gscore = tl.where(gid == bi, float("-inf"), gscore)
-            choice = tl.where(keep[:, None], choice, float("-inf"))
+                best = tl.max(gkey, axis=0)
+                keep = keep | (gkey == best)
+                gkey = tl.where(gkey == best, NONE, gkey)
+            key = tl.where(keep[:, None], key, NONE)
         kk = tl.arange(0, BLOCK_K)
         out_idx = tl.zeros([BLOCK_K], dtype=tl.int64)
-        out_w = tl.zeros([BLOCK_K], dtype=tl.float32)
         for i in range(TOP_K):
-            best = tl.max(tl.max(choice, axis=1), axis=0)
-            bi = tl.min(tl.min(tl.where(choice == best, e, BIG), axis=1), axis=0)
-            hit = e == bi
-            sc = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
-            out_idx = tl.where(kk == i, bi.to(tl.int64), out_idx)
-            out_w = tl.where(kk == i, sc, out_w)
-            choice = tl.where(hit, float("-inf"), choice)
+            best = tl.max(tl.max(key, axis=1), axis=0)
+            out_idx = tl.where(kk == i, BIG - 1 - (best & 0xFFFFFFFF), out_idx)
+            key = tl.where(key == best, NONE, key)
+        kmask = kk < TOP_K
+        # the unbiased scores of the picks: the same sigmoid of the same logits, so the same values
+        out_w = tl.where(kmask, tl.sigmoid(tl.load(row + out_idx, mask=kmask, other=0.0)), 0.0)
         if TOP_K > 1:
             out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
         out_w = out_w * scale
-        kmask = kk < TOP_K
         tl.store(idx_ptr + t * TOP_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
         tl.store(w_ptr + t * TOP_K + kk, out_w, mask=kmask)
 
@@ -364,6 +371,9 @@ def _qk_norm_rope(qkv, positions, q_weight, k_weight, eps, cos_cache, sin_cache,
     return q
 
 
+ROUTE_WARPS = 4  # per token at 256 experts
+
+
 def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
                            topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
     """The router after its GEMM: logits [T, E] fp32 -> (topk_idx [T, top_k], topk_weight [T, top_k] fp32)."""
@@ -386,7 +396,7 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
     _route_kernel[(T,)](logits, bias, idx, w, logits.stride(0), float(routed_scaling_factor),
                         G=n_group, GS=gs, BLOCK_G=block_g, BLOCK_GS=block_gs, TOPK_GROUP=topk_group,
                         TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
-                        num_warps=4 if block_g * block_gs >= 256 else 1)
+                        num_warps=ROUTE_WARPS if block_g * block_gs >= 256 else 1)
     return idx, w
 
 
