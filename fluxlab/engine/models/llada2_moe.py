@@ -154,7 +154,13 @@ class LLaDA2MoeMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce, **kw)
 
     def forward(self, x, residual=None):
-        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if use_fused(gate):  # silu and the product in one launch, torch's roundings
+            from fluxlab.kernels.swiglu import silu_mul
+
+            y = self.down_proj(silu_mul(gate, up))
+        else:
+            y = self.down_proj(F.silu(gate) * up)
         return y if residual is None else residual + y
 
 

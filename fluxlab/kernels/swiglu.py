@@ -1,0 +1,47 @@
+"""SwiGLU's elementwise half, silu(gate) * up, in one Triton pass with torch's roundings.
+
+torch runs `F.silu(gate) * up` as two kernels (the silu writes a [T, I] tensor the multiply reads
+back); on the shared experts and the dense layer that was two launches a layer. Here, per element in
+fp32: silu = g / (1 + exp(-g)) with the accurate exp and an IEEE division (torch's opmath), rounded
+to the dtype; times up, rounded again: the bits of torch's two kernels on CUDA (tests/test_swiglu.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from fluxlab.kernels.fused_norm import HAVE_TRITON, _INTERPRETED, _rnd, _tl_dtype, tl, triton  # noqa: F401
+
+if HAVE_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
+                         DT: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        g = tl.load(g_ptr + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
+        if _INTERPRETED:  # (libdevice has no interpreter form)
+            e = tl.exp(-g)
+        else:
+            e = libdevice.exp(-g)  # expf, not tl.exp's ex2.approx
+        y = _rnd(_rnd(tl.math.div_rn(g, 1.0 + e), DT) * u, DT)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [T, I] (rows may be strided, e.g. halves of one [T, 2I] GEMM) -> silu(gate) * up,
+    contiguous [T, I] in their dtype."""
+    assert gate.shape == up.shape and gate.dim() == 2 and gate.dtype == up.dtype, (gate.shape, up.shape)
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if up.stride(-1) != 1:
+        up = up.contiguous()
+    T, n = gate.shape
+    out = torch.empty(T, n, dtype=gate.dtype, device=gate.device)
+    if T and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(T, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
+                                                      DT=_tl_dtype(gate.dtype), num_warps=4 if block >= 512 else 1)
+    return out
