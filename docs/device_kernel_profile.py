@@ -1,7 +1,7 @@
 """GPU kernel time per steady step of LLaDA2.0-mini shapes (random bf16, block 32, steps 8), by step kind
 (decode / commit) and kernel group, from torch.profiler's kernel records (CUDA-graph replays included).
 It runs the synchronous loop (scheduler.async_scheduling=false) so each step's kernels lie inside its
-window. Run from the repository root on a GPU: python3 docs/device_kernel_profile.py BS [backend]"""
+window. Run from the repository root on a GPU: python3 docs/device_kernel_profile.py BS [backend [top]]"""
 import collections, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -11,6 +11,7 @@ from fluxlab.engine.request import SamplingParams
 from fluxlab.bench.roofline import gsm8k_prompts
 
 bs = int(sys.argv[1]); backend = sys.argv[2] if len(sys.argv) > 2 else "triton"
+TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 14  # kernels listed by name
 cfg = compose("generate", ["model=llada2_mini", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
                            "decoding.block_length=32", "decoding.steps=8", f"attention={backend}", "scheduler=paged",
                            "attention.use_decode_cuda_graph=true", f"scheduler.max_num_seqs={bs}",
@@ -52,7 +53,7 @@ def group(n):
     for key, g in (("_gate_up_kernel", "moe gate-up"), ("_down_kernel", "moe down"), ("align", "moe align"),
                    ("_count_kernel", "moe align"), ("_chunk", "moe align"), ("_block_attention", "attention"),
                    ("_stats_kernel", "vocab stats"), ("_route_kernel", "router topk"), ("_qk_norm_rope", "qk-norm rope"),
-                   ("rms_norm", "rms norm"), ("_combine_kernel", "moe combine"), ("Memcpy", "memcpy"), ("nvjet", "gemm"), ("gemm", "gemm"), ("Kernel2", "gemm"),
+                   ("rms_norm", "rms norm"), ("_combine_kernel", "moe combine"), ("_silu_mul", "silu*up"), ("Memcpy", "memcpy"), ("nvjet", "gemm"), ("gemm", "gemm"), ("Kernel2", "gemm"),
                    ("sm90", "gemm"), ("cutlass", "gemm"), ("reduce", "reduce"), ("elementwise", "elementwise"),
                    ("CatArray", "cat/copy"), ("index", "index/gather"), ("gather", "index/gather"),
                    ("sort", "sort/topk"), ("topk", "sort/topk")):
@@ -76,5 +77,5 @@ for k in ("decode", "commit"):
           f"GPU kernel sum {tot / 1e3:.2f} ms/step")
     for g, us in sorted(per[k].items(), key=lambda t: -t[1]):
         print(f"   {g:<14} {us / c / 1e3:7.3f} ms  {us / c / tot:5.1%}")
-    for n, us in sorted(names[k].items(), key=lambda t: -t[1])[:14]:
+    for n, us in sorted(names[k].items(), key=lambda t: -t[1])[:TOP]:
         print(f"      {us / c:8.1f} us  {n}")

@@ -1,0 +1,84 @@
+"""Per-call GPU time (us) of the small kernels of a LLaDA2.0-mini MoE layer at 2048 / 4096 tokens (a batch-64
+decode / commit forward), each captured 20 times in one CUDA graph and replayed: router top-k (per warps),
+MoE align (scan, chunked per chunk size), silu * up, QK-norm + RoPE with the KV write. Run from a tree's root
+(this one or a baseline's; what the tree lacks is skipped): python3 docs/device_micro.py LABEL"""
+import importlib.util, sys
+import torch
+import torch.nn.functional as F
+import fluxlab.kernels.fused_norm as fn
+from fluxlab.kernels import moe_align as ma
+
+label = sys.argv[1] if len(sys.argv) > 1 else "tree"
+dev = torch.device("cuda")
+
+
+def us(fn_, reps=20, replays=30):
+    fn_()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn_()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn_()
+    g.replay(); torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record(); torch.cuda.synchronize()
+    return 1e3 * a.elapsed_time(b) / (reps * replays)
+
+
+rows = []
+gen = torch.Generator(device=dev).manual_seed(0)
+for T in (2048, 4096):
+    logits = torch.randn(T, 256, device=dev, generator=gen)
+    bias = torch.randn(256, device=dev, generator=gen) * 0.05
+    call = lambda: fn.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
+    if hasattr(fn, "ROUTE_WARPS"):
+        for w in (1, 2, 4, 8):
+            fn.ROUTE_WARPS = w
+            rows.append((f"route T={T} warps={w}", us(call)))
+        fn.ROUTE_WARPS = 4
+    else:
+        rows.append((f"route T={T}", us(call)))
+    idx, _ = fn.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
+    ref = ma.moe_align_scan(idx, 256, 16)
+    rows.append((f"align scan T={T}", us(lambda: ma.moe_align_scan(idx, 256, 16))))
+    for ch in (128, 256, 512, 1024):
+        got = ma.moe_align(idx, 256, 16, chunk=ch)
+        n = int(ref[2])
+        ok = torch.equal(got[0][:n], ref[0][:n]) and torch.equal(got[1][:n // 16], ref[1][:n // 16])
+        rows.append((f"align chunk={ch} T={T}{'' if ok else ' MISMATCH'}", us(lambda: ma.moe_align(idx, 256, 16, chunk=ch))))
+    gu = torch.randn(T, 1024, device=dev, generator=gen).bfloat16()
+    g, u = gu[:, :512], gu[:, 512:]
+    g2, u2 = g.contiguous(), u.contiguous()
+    rows.append((f"silu*mul torch T={T}", us(lambda: F.silu(g2) * u2)))
+    if importlib.util.find_spec("fluxlab.kernels.swiglu"):
+        from fluxlab.kernels.swiglu import silu_mul
+        assert torch.equal(silu_mul(g2, u2), F.silu(g2) * u2)
+        rows.append((f"silu_mul T={T}", us(lambda: silu_mul(g2, u2))))
+    # QK-norm + RoPE (+ the KV write) of 16 q / 4 kv heads of 128, rotary 64, into a cache of 4096 pages of 32
+    qkv = torch.randn(T, 24 * 128, device=dev, generator=gen).bfloat16()
+    cos = torch.randn(T, 64, device=dev, generator=gen).bfloat16()
+    sin = torch.randn(T, 64, device=dev, generator=gen).bfloat16()
+    w = torch.ones(128, device=dev, dtype=torch.bfloat16)
+    kc = torch.zeros(4096 * 32, 4, 128, device=dev, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(4096, device=dev)[:T // 32].repeat_interleave(32) * 32 + torch.arange(32, device=dev).repeat(T // 32)
+
+    def separate():
+        q, k, v = fn.qk_norm_rope(qkv, None, w, w, 1e-6, cos, sin, 16, 4, 128, 64)
+        kc[slots] = k
+        vc[slots] = v
+    rows.append((f"qk-norm+rope + index_put T={T}", us(separate)))
+    if hasattr(fn, "qk_norm_rope_to_cache"):
+        rows.append((f"qk-norm+rope to cache T={T}",
+                     us(lambda: fn.qk_norm_rope_to_cache(qkv, None, w, w, 1e-6, cos, sin, 16, 4, 128, 64, kc, vc, slots))))
+print(f"== micro {label}")
+for name, t in rows:
+    print(f"   {name:<40} {t:8.2f} us")
