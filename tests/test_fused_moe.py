@@ -472,12 +472,3 @@ def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
 if __name__ == "__main__":
     _interpreter_checks()
 
-
-def test_the_default_align_is_the_scan_only_where_it_was_measured_faster():
-    from fluxlab.kernels.moe_align import SCAN_MAX_SLOTS, SINGLE_CHUNK_MAX, default_align, moe_align, moe_align_scan
-
-    assert default_align(8 * 32) is moe_align  # decode at batch 1: one program
-    assert default_align(SINGLE_CHUNK_MAX) is moe_align
-    assert default_align(SINGLE_CHUNK_MAX + 1) is moe_align_scan
-    assert default_align(8 * 2048) is default_align(SCAN_MAX_SLOTS) is moe_align_scan  # 2048 tokens at top-8
-    assert default_align(SCAN_MAX_SLOTS + 1) is moe_align

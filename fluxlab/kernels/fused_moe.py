@@ -8,8 +8,7 @@
 with w_gate_up [E, 2I, H] (rows: gate then up) and w_down [E, H, I], in a few launches and with no
 host synchronisation, so it can be captured in a CUDA graph:
 
-1. the align (kernels/moe_align.py: a counting sort in O(slots), one to three launches, or the
-   scan where that is faster, `default_align`): each
+1. the align (kernels/moe_align.py: a counting sort in O(slots), one to three launches): each
    expert gets a BLOCK_M-padded run of rows in a buffer sized for the worst case
    (T*K + min(E, T*K)*(BLOCK_M-1) rows): sorted_ids (the flat token-slot index t*K+k, or the
    sentinel T*K in padding rows), expert_ids (the expert of every BLOCK_M row block) and the number
@@ -53,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from fluxlab.kernels.moe_align import (HAVE_TRITON, _interpret, _patch_interpreter_for_numpy2,  # noqa: F401
-                                       default_align, max_padded_rows, tl, triton)
+                                       max_padded_rows, moe_align, tl, triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,8 +388,7 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
 
     foreign_slots: some ids are E (expert parallel: routed to another rank). The align step never
     places them, so no GEMM work is spent on them, and they add zero to the combine.
-    align: the align step (default: `moe_align.default_align` of the slot count; `moe_align` or
-    `moe_align_scan` to compare)."""
+    align: the align step (default `moe_align`; `moe_align_scan` to compare)."""
     if not HAVE_TRITON:
         raise RuntimeError("fused_moe needs triton")
     if not x.is_cuda and not _interpret():
@@ -410,7 +408,7 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         x = x.to(w_gate_up.dtype)
     topk_weight = topk_weight.reshape(-1).contiguous()
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
-    align = align or default_align(topk_idx.numel())
+    align = align or moe_align
     sorted_ids, expert_ids, total = align(topk_idx, num_experts, cfg.BLOCK_M)
     inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg)
     slot_out = down_stage(inter_buf, w_down, topk_weight, sorted_ids, expert_ids, total, cfg, foreign_slots)

@@ -18,10 +18,11 @@ Up to SINGLE_CHUNK_MAX slots (decode) the three run in one program (`_single_chu
 Chunks are taken in order and each is sorted stably, so the rows are the same as the scan's:
 slots keep their original order inside an expert, and the GEMMs downstream see the same input.
 
-`moe_align_scan` is the previous align (grid E, each program scanning every slot: O(E * slots)).
-Between one program's worth of slots and SCAN_MAX_SLOTS it is the faster of the two, so
-`default_align` picks it there; the tests and `bench_moe --old-vs-new` check and time one against
-the other.
+`moe_align_scan` is the previous align (grid E, each program scanning every slot: O(E * slots));
+the tests and `bench_moe --old-vs-new` check and time one against the other. It was the default
+between one program's worth of slots and 16384 until chunks of 512 (not 1024) made the counting
+sort faster everywhere: H200, E 256, top-8, us per call under a CUDA graph (docs/benchmarks.md §21),
+2048 tokens: scan 24.0, chunks of 1024 19.6, 512 14.3, 256 16.2; 4096 tokens: 44.7 / 21.7 / 18.1 / 23.6.
 
 This module also holds the Triton import and the interpreter patch the other kernel files use.
 """
@@ -41,11 +42,7 @@ except Exception:  # pragma: no cover - triton absent on the CPU CI image
     HAVE_TRITON = False
 
 SINGLE_CHUNK_MAX = 2048  # slots aligned by one program (256 tokens at top-8)
-# Above one program and up to this many slots the scan is faster: on the H200 (E 256, top-8, CUDA
-# graphs; docs/benchmarks.md §15) a MoE layer took 0.410/0.448/0.544 ms at 512/1024/2048 tokens with
-# the scan against 0.425/0.462/0.557 with the chunked counting sort, which wins from 4096 (0.744 vs 0.756).
-SCAN_MAX_SLOTS = 16384
-CHUNK = 1024             # slots per program above that
+CHUNK = 512              # slots per program above that
 
 
 def _interpret() -> bool:
@@ -254,11 +251,6 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int, chunk: int
     _chunk_scatter_kernel[(num_chunks,)](flat, base, sorted_ids, expert_ids, n, num_experts,
                                          BLOCK_M=block_m, CHUNK=chunk, W=width, num_warps=4)
     return sorted_ids, expert_ids, total
-
-
-def default_align(num_slots: int):
-    """The align fused_moe runs for `num_slots` (token, k) slots: both give the same rows."""
-    return moe_align_scan if SINGLE_CHUNK_MAX < num_slots <= SCAN_MAX_SLOTS else moe_align
 
 
 def moe_align_scan(topk_idx: torch.Tensor, num_experts: int, block_m: int):

@@ -9,7 +9,10 @@ _FUSED = os.environ.get("FLUXLAB_FUSED_KERNELS", "1") != "0"
 
 
 def use_fused(x: torch.Tensor) -> bool:
-    return _FUSED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether x takes the fused kernels: bf16/fp16 on CUDA, and not in a graph autograd records
+    (the kernels have no backward: training under bf16 autocast keeps the torch ops)."""
+    return (_FUSED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
