@@ -22,12 +22,12 @@ class Fa4Attention(PageTableAttention):
         from flash_attn.cute import flash_attn_varlen_func
 
         super().__init__(*args, **kwargs)
-        self.attend = flash_attn_varlen_func
+        self.kernel = flash_attn_varlen_func
 
     def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         bl = self.block_length
         segments = q.shape[0] // bl
-        out = self.attend(q.view(segments, bl, self.num_qo_heads, self.head_dim),
+        out = self.kernel(q.view(segments, bl, self.num_qo_heads, self.head_dim),
                           self.cache.k[layer_idx], self.cache.v[layer_idx],
                           page_table=self.page_table, seqused_k=self.seqused_k,
                           softmax_scale=self.head_dim ** -0.5, causal=False)
