@@ -45,6 +45,10 @@ def _interpreter_checks() -> None:
                 assert _ulp_diff(out[~both_nan], ref[~both_nan]) <= 2, (T, n, dt)
                 assert ((out == ref) | both_nan).float().mean() > 0.99
     assert silu_mul(torch.zeros(0, 8), torch.zeros(0, 8)).shape == (0, 8)
+    # fp32 inputs rounded to the output dtype first: the bf16 inputs' result
+    g, u = _inputs(4, 300, torch.float32)
+    gb, ub = g.bfloat16(), u.bfloat16()
+    assert torch.equal(silu_mul(g, u, torch.bfloat16), silu_mul(gb, ub))
     print("interpreter checks ok")
 
 

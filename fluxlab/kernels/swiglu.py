@@ -4,6 +4,8 @@ torch runs `F.silu(gate) * up` as two kernels (the silu writes a [T, I] tensor t
 back); on the shared experts and the dense layer that was two launches a layer. Here, per element in
 fp32: silu = g / (1 + exp(-g)) with the accurate exp and an IEEE division (torch's opmath), rounded
 to the dtype; times up, rounded again: the bits of torch's two kernels on CUDA (tests/test_swiglu.py).
+The inputs may be fp32 (the MoE block's one GEMM for the shared expert and the router, whose logits
+must stay fp32); they are rounded to the output dtype first, as a bf16 GEMM rounds its output.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < n_cols
-        g = tl.load(g_ptr + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
+        # fp32 inputs (a GEMM with an fp32 output) are first rounded as a DT GEMM output would be
+        g = _rnd(tl.load(g_ptr + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32), DT)
+        u = _rnd(tl.load(u_ptr + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32), DT)
         if _INTERPRETED:  # (libdevice has no interpreter form)
             e = tl.exp(-g)
         else:
@@ -30,18 +33,20 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """gate, up [T, I] (rows may be strided, e.g. halves of one [T, 2I] GEMM) -> silu(gate) * up,
-    contiguous [T, I] in their dtype."""
+    contiguous [T, I] in `dtype` (default theirs). fp32 inputs with a bf16/fp16 dtype are rounded
+    to it first: silu_mul(A.float(), B.float(), bf16) is silu_mul(A, B) for bf16 A and B."""
     assert gate.shape == up.shape and gate.dim() == 2 and gate.dtype == up.dtype, (gate.shape, up.shape)
+    dtype = dtype or gate.dtype
     if gate.stride(-1) != 1:
         gate = gate.contiguous()
     if up.stride(-1) != 1:
         up = up.contiguous()
     T, n = gate.shape
-    out = torch.empty(T, n, dtype=gate.dtype, device=gate.device)
+    out = torch.empty(T, n, dtype=dtype, device=gate.device)
     if T and n:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(T, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
-                                                      DT=_tl_dtype(gate.dtype), num_warps=4 if block >= 512 else 1)
+                                                      DT=_tl_dtype(dtype), num_warps=4 if block >= 512 else 1)
     return out

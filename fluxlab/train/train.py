@@ -152,7 +152,8 @@ def export_tensors(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, slot in checkpoint_layout(model.config).items():
         t = params[slot.param].detach()
-        out[name] = (t if slot.index is None else t[slot.index]).float().cpu().contiguous()
+        # a copy: some parameters view one shared tensor (layers/linear.StackedRows), which safetensors refuses
+        out[name] = (t if slot.index is None else t[slot.index]).to("cpu", torch.float32, copy=True).contiguous()
     return out
 
 

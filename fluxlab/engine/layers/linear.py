@@ -84,6 +84,31 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight)
 
 
+class StackedRows:
+    """Weights that multiply one input, [n_i, in] each, held back to back in one [sum n_i, in] tensor
+    that every weight's parameter is a view of: loading or updating a weight in place updates the
+    stack, and one GEMM on the stack does the weights' GEMMs in one launch. `current()` is False once
+    a parameter no longer views it (`module.to(...)` gives each parameter its own storage): callers
+    then multiply the weights one by one."""
+
+    def __init__(self, *params: nn.Parameter):
+        assert len({(p.shape[1], p.dtype, p.device) for p in params}) == 1, [(p.shape, p.dtype) for p in params]
+        self.weight = torch.cat([p.data for p in params])
+        self.sizes = [p.shape[0] for p in params]
+        self.params = params
+        row = 0
+        for p, n in zip(params, self.sizes):
+            p.data = self.weight[row:row + n]
+            row += n
+        self._ptrs = self._current_ptrs()
+
+    def _current_ptrs(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.params)
+
+    def current(self) -> bool:
+        return self._current_ptrs() == self._ptrs
+
+
 class ReplicatedLinear(LinearBase):
     def __init__(self, in_features, out_features, **kw):
         super().__init__(in_features, out_features, tp_dim=None, **kw)

@@ -26,10 +26,19 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor 
           n_group: int, topk_group: int, routed_scaling_factor: float, expert_capacity: int = 0,
           routing_block_size: int = 0):
     """x [T, H] -> (topk_idx [T, top_k] int64, topk_weight [T, top_k] fp32)."""
-    logits = router_logits(x, gate_weight)
+    return route_logits(router_logits(x, gate_weight), expert_bias, top_k=top_k, n_group=n_group,
+                        topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                        expert_capacity=expert_capacity, routing_block_size=routing_block_size, fused=use_fused(x))
+
+
+def route_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int, n_group: int,
+                 topk_group: int, routed_scaling_factor: float, expert_capacity: int = 0,
+                 routing_block_size: int = 0, fused: bool = False):
+    """`route` after its GEMM: fp32 logits [T, E] (rows may be strided) -> (topk_idx, topk_weight).
+    fused: the Triton top-k (the model's hidden states take the fused kernels, `use_fused`)."""
     if expert_capacity > 0:
         return _block_route(logits, expert_bias, top_k, expert_capacity, routing_block_size, routed_scaling_factor)
-    if use_fused(x):  # one Triton launch for everything after the GEMM (ties: lowest index first)
+    if fused:  # one Triton launch for everything after the GEMM (ties: lowest index first)
         from fluxlab.kernels.fused_norm import route_topk_from_logits
 
         return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor)
@@ -302,6 +311,11 @@ class MoEGate(nn.Module):
                                         requires_grad=False)
 
     def forward(self, x):
-        return route(x, self.weight, self.expert_bias, top_k=self.top_k, n_group=self.n_group,
-                     topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
-                     expert_capacity=self.expert_capacity, routing_block_size=self.routing_block_size)
+        return self.route(router_logits(x, self.weight), fused=use_fused(x))
+
+    def route(self, logits: torch.Tensor, fused: bool):
+        """fp32 router logits [T, E] -> (topk_idx, topk_weight); fused as `route_logits`."""
+        return route_logits(logits, self.expert_bias, top_k=self.top_k, n_group=self.n_group,
+                            topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                            expert_capacity=self.expert_capacity, routing_block_size=self.routing_block_size,
+                            fused=fused)

@@ -18,9 +18,9 @@ from torch import nn
 
 from fluxlab.engine.layers.attention import PagedBackend
 from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, ParallelLMHead, QKVParallelLinear,
-                                          RowParallelLinear, VocabParallelEmbedding, all_reduce,
+                                          RowParallelLinear, StackedRows, VocabParallelEmbedding, all_reduce,
                                           get_parallel_dims)
-from fluxlab.engine.layers.moe import MoEGate, StackedExperts
+from fluxlab.engine.layers.moe import MoEGate, StackedExperts, _mm_fp32_out, router_logits
 from fluxlab.engine.layers.moe_dispatch import DispatchSizes, combine_tokens, dispatch_tokens
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm, use_fused
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
@@ -182,9 +182,28 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         self.shared_experts = (LLaDA2MoeMLP(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts,
                                             dtype, device, dense, reduce=dense.tp_size == 1)
                                if c.num_shared_experts else None)
+        # One rank, a shared expert: its gate and up rows and the router's in one weight, so that one
+        # GEMM with an fp32 output does all three (the router's alone, N = 256, kept 22 of 132 H200
+        # SMs busy: 15 us a layer at 2048 tokens; docs/benchmarks.md §21).
+        self.stacked = (StackedRows(self.shared_experts.gate_proj.weight, self.shared_experts.up_proj.weight,
+                                    self.gate.weight)
+                        if self.shared_experts is not None and self.dispatch is None and self.tp_size == 1 else None)
+
+    def _stacked_forward(self, x, residual):
+        """The fused path: [shared gate | shared up | router logits] = x @ stacked.T with an fp32
+        output (`router_logits`), the gate and up rounded to x.dtype as their own GEMMs would."""
+        from fluxlab.kernels.swiglu import silu_mul
+
+        gate, up, logits = router_logits(x, self.stacked.weight).split(self.stacked.sizes, 1)
+        topk_idx, topk_weight = self.gate.route(logits, fused=True)
+        shared = self.shared_experts.down_proj(silu_mul(gate, up, x.dtype))
+        return self.experts(x, topk_idx, topk_weight, adds=(shared,) + ((residual,) if residual is not None else ()))
 
     def forward(self, x, residual=None):
         """residual + routed + shared (residual None: routed + shared), rounded as torch adds them."""
+        if (self.stacked is not None and use_fused(x) and self.stacked.current()
+                and x.dtype == self.stacked.weight.dtype and _mm_fp32_out(x.device)):
+            return self._stacked_forward(x, residual)
         topk_idx, topk_weight = self.gate(x)  # the full router on every rank: all ranks agree on the choice
         if self.dispatch is not None:  # DP attention: every rank's tokens visit the experts of every rank
             x_all, idx_all, weight_all = dispatch_tokens(x, topk_idx, topk_weight, self.dispatch)
