@@ -1,6 +1,7 @@
 """Per-call GPU time (us) of the small kernels of a LLaDA2.0-mini MoE layer at 2048 / 4096 tokens (a batch-64
 decode / commit forward), each captured 20 times in one CUDA graph and replayed: router top-k (per warps),
-MoE align (scan, chunked per chunk size), silu * up, QK-norm + RoPE with the KV write. Run from a tree's root
+MoE align (scan, chunked per chunk size), silu * up, QK-norm + RoPE with the KV write, the shared
+expert's and router's GEMMs apart and stacked, and the greedy vocabulary statistics. Run from a tree's root
 (this one or a baseline's; what the tree lacks is skipped): python3 docs/device_micro.py LABEL"""
 import importlib.util, sys
 import torch
@@ -79,6 +80,18 @@ for T in (2048, 4096):
     if hasattr(fn, "qk_norm_rope_to_cache"):
         rows.append((f"qk-norm+rope to cache T={T}",
                      us(lambda: fn.qk_norm_rope_to_cache(qkv, None, w, w, 1e-6, cos, sin, 16, 4, 128, 64, kc, vc, slots))))
+    # the shared expert's gate and up GEMMs and the router's, apart and as one stacked GEMM with an fp32 output
+    x = torch.randn(T, 2048, device=dev, generator=gen).bfloat16()
+    wg, wu = (torch.randn(512, 2048, device=dev, generator=gen).bfloat16() for _ in range(2))
+    wr = torch.randn(256, 2048, device=dev, generator=gen).bfloat16()
+    ws = torch.cat([wg, wu, wr])
+    rows.append((f"gemms gate, up, router T={T}",
+                 us(lambda: (x @ wg.t(), x @ wu.t(), torch.mm(x, wr.t(), out_dtype=torch.float32)))))
+    rows.append((f"gemm stacked fp32-out T={T}", us(lambda: torch.mm(x, ws.t(), out_dtype=torch.float32))))
+from fluxlab.kernels.vocab_stats import greedy_stats
+for n in (1024, 2048):
+    logits = torch.randn(n, 157184, device=dev, generator=gen).bfloat16()
+    rows.append((f"greedy stats {n} x 157184", us(lambda: greedy_stats(logits), reps=5, replays=10)))
 print(f"== micro {label}")
 for name, t in rows:
     print(f"   {name:<40} {t:8.2f} us")

@@ -8,12 +8,13 @@ want() { [[ $# -eq 0 || " $STEPS " == *" $1 "* ]]; }
 STEPS="${*:-tests micro roof prof}"
 if want tests; then
   el "gpu tests"
-  timeout 240 python3 -m pytest -q -m gpu tests/test_fused_norm.py tests/test_swiglu.py tests/test_block_attention.py \
-    tests/test_fused_moe.py tests/test_staging.py -p no:cacheprovider 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
+  timeout 300 python3 -m pytest -q -m gpu tests/test_fused_norm.py tests/test_swiglu.py tests/test_block_attention.py \
+    tests/test_fused_moe.py tests/test_staging.py tests/test_moe_block.py tests/test_vocab_stats.py \
+    tests/test_canvas_stats.py -p no:cacheprovider 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
 fi
 if want micro; then
-  el "micro"; timeout 120 python3 docs/device_micro.py new 2>&1 | tail -40
-  (cd .fi/pre && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 $R/docs/device_micro.py pre 2>&1 | tail -20)
+  el "micro"; timeout 150 python3 docs/device_micro.py new 2>&1 | tail -50
+  (cd .fi/pre && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 $R/docs/device_micro.py pre 2>&1 | tail -30)
 fi
 want roof && roofline_runs new1 pre1 new2
 if want prof; then

@@ -36,6 +36,12 @@ def _interpreter_checks() -> None:
     logits[:, [17, 8000]] = 5.0
     tokens, _ = greedy_stats(logits)
     assert tokens.tolist() == [17, 17]
+    # -inf logits (banned tokens) before finite ones in the same lanes: no NaN leaks into the sum
+    logits = torch.randn(2, 9000, generator=torch.Generator().manual_seed(2))
+    logits[:, :3000] = float("-inf")
+    tokens, conf = greedy_stats(logits)
+    want_conf, want_tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    assert torch.equal(tokens, want_tokens) and torch.allclose(conf, want_conf, rtol=1e-5), (conf, want_conf)
     print("interpreter checks ok")
 
 

@@ -27,7 +27,7 @@ from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
 from fluxlab.kernels.vocab_stats import combine_parts, split_plan
 
 if HAVE_TRITON:
-    from fluxlab.kernels.vocab_stats import online_update
+    from fluxlab.kernels.vocab_stats import lane_finish, lane_update, lanes_start
 
 BLOCK = 2048
 
@@ -49,15 +49,14 @@ if HAVE_TRITON:
         end = tl.minimum(start + chunk, vocab)
         temperature = tl.load(temp_ptr + row)
         offs = tl.arange(0, BLOCK)
-        run_max = -float("inf")
-        run_sum = 0.0
-        run_idx = 0
+        lane_max, lane_sum, lane_idx = lanes_start(BLOCK)
         for base in range(start, end, BLOCK):
             cols = base + offs
             mask = cols < end
             x = _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, temperature, HAS_CAP)
             x = tl.where(mask, x, -float("inf"))
-            run_max, run_sum, run_idx = online_update(run_max, run_sum, run_idx, x, base)
+            lane_max, lane_sum, lane_idx = lane_update(lane_max, lane_sum, lane_idx, x, cols)
+        run_max, run_sum, run_idx = lane_finish(lane_max, lane_sum, lane_idx)
         out = row * num_splits + split
         tl.store(max_ptr + out, run_max)
         tl.store(sum_ptr + out, run_sum)
