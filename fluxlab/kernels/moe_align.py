@@ -10,10 +10,11 @@ A counting sort in O(slots), no host sync, fixed launch sizes (CUDA-graph captur
 1. `_chunk_hist_kernel` (grid = chunks of CHUNK slots): per-chunk expert histogram.
 2. `_chunk_scan_kernel` (one program): per expert, its padded run's start (exclusive prefix over
    experts) plus the prefix over earlier chunks -> base[c, e], the row of chunk c's first slot of
-   e; total; the sentinel into every padding row.
+   e; total; each expert's run start and slot count.
 3. `_chunk_scatter_kernel` (grid = chunks): sorts the chunk by (expert, position) and writes each
    slot to base[c, e] + its rank among the chunk's slots of e; a slot starting a row block writes
-   the block's expert.
+   the block's expert; program c also writes the sentinel into the padding rows of its share of
+   the experts.
 Up to SINGLE_CHUNK_MAX slots (decode) the three run in one program (`_single_chunk_align_kernel`).
 Chunks are taken in order and each is sorted stably, so the rows are the same as the scan's:
 slots keep their original order inside an expert, and the GEMMs downstream see the same input.
@@ -141,9 +142,11 @@ if HAVE_TRITON:
         tl.store(chunk_counts_ptr + c * W + offs_e, tl.where(offs_e < E, hist, 0))
 
     @triton.jit
-    def _chunk_scan_kernel(chunk_counts_ptr, base_ptr, sorted_ids_ptr, total_ptr, num_chunks, N,
+    def _chunk_scan_kernel(chunk_counts_ptr, base_ptr, runs_ptr, total_ptr, num_chunks,
                            BLOCK_M: tl.constexpr, W: tl.constexpr, CB: tl.constexpr):
-        # chunk_counts [num_chunks, W] -> base [num_chunks, W], CB chunks at a time.
+        # chunk_counts [num_chunks, W] -> base [num_chunks, W], CB chunks at a time; runs [2, W]: each
+        # expert's run start and slot count, for the scatter programs to pad (one program writing every
+        # padding row took 127 dependent store rounds at BLOCK_M 128: ~26 us of a 2048-token layer).
         offs_e = tl.arange(0, W)
         counts = tl.zeros([W], dtype=tl.int32)
         for c0 in range(0, num_chunks, CB):
@@ -154,7 +157,8 @@ if HAVE_TRITON:
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         start = tl.cumsum(padded, axis=0) - padded
         tl.store(total_ptr, tl.sum(padded, axis=0))
-        _write_padding(sorted_ids_ptr, start, counts, padded, N, BLOCK_M)
+        tl.store(runs_ptr + offs_e, start)
+        tl.store(runs_ptr + W + offs_e, counts)
         carry = start
         for c0 in range(0, num_chunks, CB):
             offs_c = c0 + tl.arange(0, CB)
@@ -165,12 +169,20 @@ if HAVE_TRITON:
             carry += tl.sum(block, axis=0)
 
     @triton.jit
-    def _chunk_scatter_kernel(topk_ptr, base_ptr, sorted_ids_ptr, expert_ids_ptr, N, E,
-                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr):
+    def _chunk_scatter_kernel(topk_ptr, base_ptr, runs_ptr, sorted_ids_ptr, expert_ids_ptr, N, E,
+                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr, EPP: tl.constexpr):
         c = tl.program_id(0)
         base = tl.load(base_ptr + c * W + tl.arange(0, W))
         _scatter_chunk(_chunk_experts(topk_ptr, c, N, E, CHUNK), base, c, sorted_ids_ptr, expert_ids_ptr,
                        E, BLOCK_M, CHUNK, W)
+        # experts c*EPP .. c*EPP+EPP-1: the sentinel N into their padding rows, one [EPP, BLOCK_M] store
+        e = c * EPP + tl.arange(0, EPP)[:, None]
+        j = tl.arange(0, BLOCK_M)[None, :]
+        start = tl.load(runs_ptr + e, mask=e < E, other=0)
+        count = tl.load(runs_ptr + W + e, mask=e < E, other=0)
+        pad = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M - count
+        tl.store(sorted_ids_ptr + start + count + j, tl.zeros([EPP, BLOCK_M], dtype=tl.int32) + N,
+                 mask=(e < E) & (j < pad))
 
     # ------------------------------------------------------------------ the previous align (scan)
 
@@ -245,11 +257,13 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int, chunk: int
     num_chunks = _cdiv(n, chunk)
     chunk_counts = torch.empty(num_chunks, width, dtype=torch.int32, device=flat.device)
     base = torch.empty_like(chunk_counts)
+    runs = torch.empty(2, width, dtype=torch.int32, device=flat.device)
     _chunk_hist_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, CHUNK=chunk, W=width, num_warps=4)
-    _chunk_scan_kernel[(1,)](chunk_counts, base, sorted_ids, total, num_chunks, n, BLOCK_M=block_m, W=width,
+    _chunk_scan_kernel[(1,)](chunk_counts, base, runs, total, num_chunks, BLOCK_M=block_m, W=width,
                              CB=min(32, _next_pow2(num_chunks)), num_warps=8)
-    _chunk_scatter_kernel[(num_chunks,)](flat, base, sorted_ids, expert_ids, n, num_experts,
-                                         BLOCK_M=block_m, CHUNK=chunk, W=width, num_warps=4)
+    _chunk_scatter_kernel[(num_chunks,)](flat, base, runs, sorted_ids, expert_ids, n, num_experts,
+                                         BLOCK_M=block_m, CHUNK=chunk, W=width,
+                                         EPP=_next_pow2(_cdiv(num_experts, num_chunks)), num_warps=4)
     return sorted_ids, expert_ids, total
 
 
