@@ -48,13 +48,15 @@ for T in (2048, 4096):
     else:
         rows.append((f"route T={T}", us(call)))
     idx, _ = fn.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
-    ref = ma.moe_align_scan(idx, 256, 16)
-    rows.append((f"align scan T={T}", us(lambda: ma.moe_align_scan(idx, 256, 16))))
-    for ch in (128, 256, 512, 1024):
-        got = ma.moe_align(idx, 256, 16, chunk=ch)
-        n = int(ref[2])
-        ok = torch.equal(got[0][:n], ref[0][:n]) and torch.equal(got[1][:n // 16], ref[1][:n // 16])
-        rows.append((f"align chunk={ch} T={T}{'' if ok else ' MISMATCH'}", us(lambda: ma.moe_align(idx, 256, 16, chunk=ch))))
+    for bm in (16, 128):  # 128: the tuned config's BLOCK_M at 2048 and 4096 tokens
+        ref = ma.moe_align_scan(idx, 256, bm)
+        rows.append((f"align scan T={T} bm={bm}", us(lambda: ma.moe_align_scan(idx, 256, bm))))
+        for ch in (256, 512, 1024):
+            got = ma.moe_align(idx, 256, bm, chunk=ch)
+            n = int(ref[2])
+            ok = torch.equal(got[0][:n], ref[0][:n]) and torch.equal(got[1][:n // bm], ref[1][:n // bm])
+            rows.append((f"align chunk={ch} T={T} bm={bm}{'' if ok else ' MISMATCH'}",
+                         us(lambda: ma.moe_align(idx, 256, bm, chunk=ch))))
     gu = torch.randn(T, 1024, device=dev, generator=gen).bfloat16()
     g, u = gu[:, :512], gu[:, 512:]
     g2, u2 = g.contiguous(), u.contiguous()
@@ -78,8 +80,23 @@ for T in (2048, 4096):
         vc[slots] = v
     rows.append((f"qk-norm+rope + index_put T={T}", us(separate)))
     if hasattr(fn, "qk_norm_rope_to_cache"):
-        rows.append((f"qk-norm+rope to cache T={T}",
-                     us(lambda: fn.qk_norm_rope_to_cache(qkv, None, w, w, 1e-6, cos, sin, 16, 4, 128, 64, kc, vc, slots))))
+        for warps in ((2, 4, 8) if hasattr(fn, "QK_WARPS") else (None,)):
+            if warps:
+                fn.QK_WARPS = warps
+            rows.append((f"qk-norm+rope to cache T={T} warps={warps}",
+                         us(lambda: fn.qk_norm_rope_to_cache(qkv, None, w, w, 1e-6, cos, sin, 16, 4, 128, 64, kc, vc,
+                                                             slots))))
+        fn.QK_WARPS = 4
+    # the MoE combine: 8 slot rows + the shared expert and the residual per token
+    import fluxlab.kernels.fused_moe as fm
+    slot_out = torch.randn(T * 8, 2048, device=dev, generator=gen).bfloat16()
+    adds = tuple(torch.randn(T, 2048, device=dev, generator=gen).bfloat16() for _ in range(2))
+    for cfg in (((1024, 4), (2048, 8), (2048, 4), (512, 4), (1024, 8)) if hasattr(fm, "COMBINE_BLOCK") else (None,)):
+        if cfg:
+            fm.COMBINE_BLOCK, fm.COMBINE_WARPS = cfg
+        rows.append((f"combine T={T} block,warps={cfg}", us(lambda: fm.combine_slots(slot_out, 8, adds))))
+    if hasattr(fm, "COMBINE_BLOCK"):
+        fm.COMBINE_BLOCK, fm.COMBINE_WARPS = 1024, 4
     # the shared expert's gate and up GEMMs and the router's, apart and as one stacked GEMM with an fp32 output
     x = torch.randn(T, 2048, device=dev, generator=gen).bfloat16()
     wg, wu = (torch.randn(512, 2048, device=dev, generator=gen).bfloat16() for _ in range(2))

@@ -415,6 +415,9 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     return combine_slots(slot_out, top_k, adds, out_dtype)
 
 
+COMBINE_BLOCK, COMBINE_WARPS = 1024, 4  # columns and warps a combine program
+
+
 def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtype: torch.dtype | None = None
                   ) -> torch.Tensor:
     """slot_out [T*K, H] -> [T, H]: the fp32 sum of each token's K slots rounded to out_dtype, plus
@@ -429,11 +432,11 @@ def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtyp
         if a.shape != (num_tokens, hidden):
             raise ValueError(f"fused_moe: an addend of shape {tuple(a.shape)}, not {(num_tokens, hidden)}")
     out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=slot_out.device)
-    block = min(1024, triton.next_power_of_2(hidden))
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     first, second = (adds + (out, out))[:2]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         slot_out, first, second, out, hidden, TOPK=top_k, NUM_ADDS=len(adds), BLOCK=block,
-        DT=_tl_dtype(out_dtype), num_warps=4)
+        DT=_tl_dtype(out_dtype), num_warps=COMBINE_WARPS)
     return out
 
 

@@ -305,6 +305,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out.view(shape), new_res.view(shape)
 
 
+QK_WARPS = 4  # per token at LLaDA2's 24 heads of 128
+
+
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor | None, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int):
@@ -367,7 +370,7 @@ def _qk_norm_rope(qkv, positions, q_weight, k_weight, eps, cos_cache, sin_cache,
         float(eps), HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_H=block_h,
         BLOCK_R=_next_pow2(max(1, rotary_dim // 2)), BLOCK_P=_next_pow2(max(1, head_dim - rotary_dim)),
         HAS_NORM=has_norm, HAS_POS=has_pos, HAS_SLOTS=slots is not None, DT=_tl_dtype(dt),
-        num_warps=4 if block_h * head_dim >= 2048 else 1)
+        num_warps=QK_WARPS if block_h * head_dim >= 2048 else 1)
     return q
 
 
