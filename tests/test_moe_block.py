@@ -49,7 +49,6 @@ def stacked_and_plain(block, x, residual, expect_stacked: bool = True):
 
 def _interpreter_checks() -> None:
     from fluxlab.engine.loader import build_random_model
-    from fluxlab.engine.models import llada2_moe
 
     model, c = build_random_model(small_config(), dtype=torch.float32, seed=3)
     block = model.layers[1].mlp
