@@ -452,12 +452,12 @@ def test_router_logits_in_bf16_are_the_fp32_gemm_of_the_upcast_operands():
     """Products of bf16 numbers are exact in fp32: the bf16 GEMM with fp32 output differs from the
     fp32 GEMM only in how the tensor cores accumulate, far below bf16 resolution (H200, torch 2.11:
     2.1e-6 relative to fp64 against the fp32 GEMM's 1.7e-7; bf16's step is 4e-3)."""
-    from fluxlab.engine.layers.moe import _mm_fp32_out, router_logits
+    from fluxlab.engine.layers.moe import mm_fp32_out_works, router_logits
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 2048 ** -0.5
-    assert _mm_fp32_out(x.device), "torch.mm(out_dtype=float32) is the router's GPU path"
+    assert mm_fp32_out_works(x.device), "torch.mm(out_dtype=float32) is the router's GPU path"
     got = router_logits(x, w)
     want = (x.double() @ w.double().t())
     assert got.dtype == torch.float32

@@ -34,7 +34,7 @@ def stacked_and_plain(block, x, residual, expect_stacked: bool = True):
     from fluxlab.engine.models import llada2_moe
 
     with mock.patch.object(llada2_moe, "use_fused", lambda t: True), \
-            mock.patch.object(llada2_moe, "_mm_fp32_out", lambda d: True), \
+            mock.patch.object(llada2_moe, "mm_fp32_out_works", lambda d: True), \
             mock.patch.object(block, "_stacked_forward", wraps=block._stacked_forward) as stacked:
         got = block(x, residual)
         assert stacked.call_count == int(expect_stacked)

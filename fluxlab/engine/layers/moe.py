@@ -69,7 +69,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     over the hidden states and the weight and at the bf16 tensor-core rate (the fp32 GEMM was ~5%
     of a batch-64 decode forward). Elsewhere (CPU, fp32 parity runs) the fp32 GEMM itself."""
     if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_weight.dtype == x.dtype
-            and _mm_fp32_out(x.device)):
+            and mm_fp32_out_works(x.device)):
         return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), gate_weight.float())
 
@@ -77,7 +77,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
 _MM_FP32_OUT: dict = {}
 
 
-def _mm_fp32_out(device: torch.device) -> bool:
+def mm_fp32_out_works(device: torch.device) -> bool:
     """Whether torch.mm(..., out_dtype=float32) runs for model-dtype operands on this device (torch
     >= 2.9 on CUDA); probed once per device, on the first eager forward (never inside a capture)."""
     key = str(device)

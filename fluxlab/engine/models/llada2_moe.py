@@ -20,7 +20,7 @@ from fluxlab.engine.layers.attention import PagedBackend
 from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, ParallelLMHead, QKVParallelLinear,
                                           RowParallelLinear, StackedRows, VocabParallelEmbedding, all_reduce,
                                           get_parallel_dims)
-from fluxlab.engine.layers.moe import MoEGate, StackedExperts, _mm_fp32_out, router_logits
+from fluxlab.engine.layers.moe import MoEGate, StackedExperts, mm_fp32_out_works, router_logits
 from fluxlab.engine.layers.moe_dispatch import DispatchSizes, combine_tokens, dispatch_tokens
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm, use_fused
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
@@ -202,7 +202,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     def forward(self, x, residual=None):
         """residual + routed + shared (residual None: routed + shared), rounded as torch adds them."""
         if (self.stacked is not None and use_fused(x) and self.stacked.current()
-                and x.dtype == self.stacked.weight.dtype and _mm_fp32_out(x.device)):
+                and x.dtype == self.stacked.weight.dtype and mm_fp32_out_works(x.device)):
             return self._stacked_forward(x, residual)
         topk_idx, topk_weight = self.gate(x)  # the full router on every rank: all ranks agree on the choice
         if self.dispatch is not None:  # DP attention: every rank's tokens visit the experts of every rank
