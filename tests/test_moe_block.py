@@ -66,6 +66,14 @@ def _interpreter_checks() -> None:
         flipped, want_flipped = stacked_and_plain(block, x, residual)
         torch.testing.assert_close(flipped, want_flipped, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(flipped, got)
+    # LLaDA2.2 block routing (expert pools per routing block) takes the stacked GEMM's logits too
+    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+
+    pooled = LLaDA2MoeConfig(**{**small_config().to_dict(), "expert_capacity": 6, "block_size": 8})
+    pooled_block = build_random_model(pooled, dtype=torch.float32, seed=4)[0].layers[1].mlp
+    with torch.no_grad():
+        got_pooled, want_pooled = stacked_and_plain(pooled_block, x, residual)
+    torch.testing.assert_close(got_pooled, want_pooled, rtol=1e-5, atol=1e-5)
     # a parameter given its own storage (module.to) is no longer in the stack: the block stops using it
     block.to(torch.float64).to(torch.float32)
     assert not block.stacked.current()
