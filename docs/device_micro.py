@@ -9,6 +9,11 @@ import torch.nn.functional as F
 import fluxlab.kernels.fused_norm as fn
 from fluxlab.kernels import moe_align as ma
 
+try:  # kernels/route_topk.py from session 10 on; fused_norm.py before
+    import fluxlab.kernels.route_topk as rt
+except ImportError:
+    rt = fn
+
 label = sys.argv[1] if len(sys.argv) > 1 else "tree"
 dev = torch.device("cuda")
 
@@ -39,15 +44,16 @@ gen = torch.Generator(device=dev).manual_seed(0)
 for T in (2048, 4096):
     logits = torch.randn(T, 256, device=dev, generator=gen)
     bias = torch.randn(256, device=dev, generator=gen) * 0.05
-    call = lambda: fn.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
-    if hasattr(fn, "ROUTE_WARPS"):
+    call = lambda: rt.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
+    if hasattr(rt, "ROUTE_WARPS"):
+        default = rt.ROUTE_WARPS
         for w in (1, 2, 4, 8):
-            fn.ROUTE_WARPS = w
+            rt.ROUTE_WARPS = w
             rows.append((f"route T={T} warps={w}", us(call)))
-        fn.ROUTE_WARPS = 4
+        rt.ROUTE_WARPS = default
     else:
         rows.append((f"route T={T}", us(call)))
-    idx, _ = fn.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
+    idx, _ = rt.route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
     for bm in (16, 128):  # 128: the tuned config's BLOCK_M at 2048 and 4096 tokens
         ref = ma.moe_align_scan(idx, 256, bm)
         rows.append((f"align scan T={T} bm={bm}", us(lambda: ma.moe_align_scan(idx, 256, bm))))

@@ -1,4 +1,4 @@
-"""fused_norm kernels (rms_norm, add_rms_norm, qk_norm_rope, route_topk) against the torch layers.
+"""fused_norm (rms_norm, add_rms_norm, qk_norm_rope) and route_topk kernels against the torch layers.
 
 CPU: the Triton kernels run under the interpreter (TRITON_INTERPRET=1) in a subprocess, as in
 tests/test_fused_moe.py; fp32 to 1e-5 and, since the interpreter handles bf16, bf16 against torch's
@@ -68,7 +68,8 @@ def _interpreter_checks() -> None:
     from fluxlab.engine.layers.moe import route
     from fluxlab.engine.layers.norm import rms_norm as ref_rms_norm
     from fluxlab.engine.layers.rotary import PartialRotary
-    from fluxlab.kernels.fused_norm import add_rms_norm, qk_norm_rope, qk_norm_rope_to_cache, rms_norm, route_topk
+    from fluxlab.kernels.fused_norm import add_rms_norm, qk_norm_rope, qk_norm_rope_to_cache, rms_norm
+    from fluxlab.kernels.route_topk import route_topk
 
     gen = torch.Generator().manual_seed(0)
 
@@ -220,7 +221,7 @@ def test_qk_norm_rope_gpu_matches_torch(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 32, 777])
 def test_route_topk_gpu_matches_route(num_tokens):
     from fluxlab.engine.layers.moe import route
-    from fluxlab.kernels.fused_norm import route_topk
+    from fluxlab.kernels.route_topk import route_topk
 
     gen = torch.Generator().manual_seed(num_tokens)
     x, gw, bias = _route_inputs(num_tokens, 2048, 256, gen, dtype=torch.bfloat16, device="cuda")
@@ -237,7 +238,8 @@ def test_route_topk_gpu_matches_route(num_tokens):
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
 def test_fused_norm_cuda_graph_replay():
     from fluxlab.engine.layers.rotary import PartialRotary
-    from fluxlab.kernels.fused_norm import qk_norm_rope, rms_norm, route_topk
+    from fluxlab.kernels.fused_norm import qk_norm_rope, rms_norm
+    from fluxlab.kernels.route_topk import route_topk
 
     gen = torch.Generator().manual_seed(3)
     T, hq, hkv, d, rd = 32, 16, 4, 128, 64

@@ -39,7 +39,7 @@ def route_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, *, top_
     if expert_capacity > 0:
         return _block_route(logits, expert_bias, top_k, expert_capacity, routing_block_size, routed_scaling_factor)
     if fused:  # one Triton launch for everything after the GEMM (ties: lowest index first)
-        from fluxlab.kernels.fused_norm import route_topk_from_logits
+        from fluxlab.kernels.route_topk import route_topk_from_logits
 
         return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor)
     scores = torch.sigmoid(logits)

@@ -1,0 +1,125 @@
+"""The LLaDA2 router after its GEMM, in one Triton launch (sync-free, CUDA-graph capturable).
+
+`route_topk_from_logits(logits, expert_bias, ...)`: the router GEMM stays torch (`moe.router_logits`,
+fp32 logits, as `moe.route`); then one program per token does sigmoid, +bias, group scores (sum of
+the top-2 biased scores per group), keeps topk_group groups, picks top_k experts among them in
+descending order of biased score, and weighs them: unbiased scores / (sum + 1e-20) *
+routed_scaling_factor. Ties are broken toward the lowest index (group and expert), which is what
+torch.topk does in practice but does not promise. `route_topk(x, ...)` adds the GEMM (the tests).
+
+Residual differences against torch on CUDA: tl.sigmoid's exp is the fast-math approximation and the
+weight sum is reduced in another order, so near-ties may swap and a weight may move by an ulp
+(tests/test_fused_norm.py measures it: >= 99% of rows the same experts).
+
+Needs CUDA (or TRITON_INTERPRET=1 on CPU, used by the tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from fluxlab.kernels.fused_norm import HAVE_TRITON, _next_pow2, tl, triton  # noqa: F401
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _ordered(x):
+        """fp32 -> int64 with the same order (not NaN): the bits, negatives' magnitude bits flipped."""
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+    @triton.jit
+    def _unordered(key):
+        """The fp32 whose `_ordered` is key >> 32 (the value half of a packed key)."""
+        bits = (key >> 32).to(tl.int32)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, stride_l, scale,
+                      G: tl.constexpr, GS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, TOP2: tl.constexpr):
+        # Every "largest, lowest index on ties" is one max over packed keys (value << 32 | ~index):
+        # separate value-max, index-min and score-sum reductions made three reductions a pick.
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        j = tl.arange(0, BLOCK_GS)[None, :]
+        e = g * GS + j                                    # expert id [BLOCK_G, BLOCK_GS]
+        valid = (g < G) & (j < GS)
+        BIG: tl.constexpr = BLOCK_G * BLOCK_GS
+        NONE: tl.constexpr = -9223372036854775807 - 1    # below every packed key
+        row = logits_ptr + t * stride_l
+        choice = tl.sigmoid(tl.load(row + e, mask=valid, other=0.0))
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0)
+        choice = tl.where(valid, choice, float("-inf"))
+        key = (_ordered(choice) << 32) | (BIG - 1 - e).to(tl.int64)
+        if G > 1:
+            # group score = sum of the top-2 biased scores of each group
+            k1 = tl.max(key, axis=1)
+            gscore = _unordered(k1)
+            if TOP2:
+                gscore += _unordered(tl.max(tl.where(key == k1[:, None], NONE, key), axis=1))
+            gid = tl.arange(0, BLOCK_G)
+            gkey = tl.where(gid < G, (_ordered(gscore) << 32) | (BLOCK_G - 1 - gid).to(tl.int64), NONE)
+            keep = gid < 0
+            for _ in range(TOPK_GROUP):
+                best = tl.max(gkey, axis=0)
+                keep = keep | (gkey == best)
+                gkey = tl.where(gkey == best, NONE, gkey)
+            key = tl.where(keep[:, None], key, NONE)
+        kk = tl.arange(0, BLOCK_K)
+        out_idx = tl.zeros([BLOCK_K], dtype=tl.int64)
+        for i in range(TOP_K):
+            best = tl.max(tl.max(key, axis=1), axis=0)
+            out_idx = tl.where(kk == i, BIG - 1 - (best & 0xFFFFFFFF), out_idx)
+            key = tl.where(key == best, NONE, key)
+        kmask = kk < TOP_K
+        # the unbiased scores of the picks: the same sigmoid of the same logits, so the same values
+        out_w = tl.where(kmask, tl.sigmoid(tl.load(row + out_idx, mask=kmask, other=0.0)), 0.0)
+        if TOP_K > 1:
+            out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+        out_w = out_w * scale
+        tl.store(idx_ptr + t * TOP_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
+        tl.store(w_ptr + t * TOP_K + kk, out_w, mask=kmask)
+
+
+# Warps per token at 256 experts: one keeps every reduction inside a warp (H200, us per call at 2048 /
+# 4096 tokens: 1 warp 6.4 / 11.0, 2 7.9 / 13.7, 4 11.6 / 21.2; docs/benchmarks.md §21).
+ROUTE_WARPS = 1
+
+
+def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
+                           topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
+    """The router after its GEMM: logits [T, E] fp32 -> (topk_idx [T, top_k], topk_weight [T, top_k] fp32)."""
+    T, E = logits.shape
+    logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if n_group <= 1:
+        n_group, topk_group = 1, 1
+    assert E % n_group == 0 and topk_group <= n_group
+    gs = E // n_group
+    assert top_k <= topk_group * gs
+    idx = torch.empty(T, top_k, dtype=idx_dtype, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, w
+    has_bias = expert_bias is not None
+    bias = expert_bias.float().contiguous() if has_bias else logits
+    block_g, block_gs = _next_pow2(n_group), _next_pow2(gs)
+    _route_kernel[(T,)](logits, bias, idx, w, logits.stride(0), float(routed_scaling_factor),
+                        G=n_group, GS=gs, BLOCK_G=block_g, BLOCK_GS=block_gs, TOPK_GROUP=topk_group,
+                        TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
+                        num_warps=ROUTE_WARPS if block_g * block_gs >= 256 else 1)
+    return idx, w
+
+
+def route_topk(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int,
+               n_group: int, topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
+    """Same contract as fluxlab.engine.layers.moe.route: x [T, H] -> (topk_idx [T, top_k] int64,
+    topk_weight [T, top_k] fp32). The GEMM is moe.route's (router_logits); the rest is one launch."""
+    from fluxlab.engine.layers.moe import router_logits
+
+    logits = router_logits(x, gate_weight)
+    return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                                  idx_dtype)
