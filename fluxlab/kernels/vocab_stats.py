@@ -28,8 +28,9 @@ if HAVE_TRITON:
     @triton.jit
     def lane_update(lane_max, lane_sum, lane_idx, x, cols):
         """One block of x (masked entries -inf) into per-lane running (max, sum of exp(x - max), first
-        column of the max): one exp an element and no cross-lane reduction (a block-wide max, argmax
-        and sum per block made the kernel 2.4x its memory time at 1024 x 157184; §21)."""
+        column of the max): one exp an element and no cross-lane reduction. A block-wide max, argmax
+        and sum per block took 202.6 us at 1024 x 157184 bf16 on the H200, the lanes 170.3 (§21); the
+        bytes alone are ~75 us, so the kernel is still not at its memory time."""
         d = x - lane_max
         e = tl.exp(-tl.abs(d))
         e = tl.where(d == d, e, 0.0)  # -inf - -inf: nothing yet on either side
