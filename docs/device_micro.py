@@ -86,23 +86,26 @@ for T in (2048, 4096):
         vc[slots] = v
     rows.append((f"qk-norm+rope + index_put T={T}", us(separate)))
     if hasattr(fn, "qk_norm_rope_to_cache"):
-        for warps in ((2, 4, 8) if hasattr(fn, "QK_WARPS") else (None,)):
+        default = getattr(fn, "QK_WARPS", None)
+        for warps in ((2, 4, 8) if default else (None,)):
             if warps:
                 fn.QK_WARPS = warps
             rows.append((f"qk-norm+rope to cache T={T} warps={warps}",
                          us(lambda: fn.qk_norm_rope_to_cache(qkv, None, w, w, 1e-6, cos, sin, 16, 4, 128, 64, kc, vc,
                                                              slots))))
-        fn.QK_WARPS = 4
+        if default:
+            fn.QK_WARPS = default
     # the MoE combine: 8 slot rows + the shared expert and the residual per token
     import fluxlab.kernels.fused_moe as fm
     slot_out = torch.randn(T * 8, 2048, device=dev, generator=gen).bfloat16()
     adds = tuple(torch.randn(T, 2048, device=dev, generator=gen).bfloat16() for _ in range(2))
-    for cfg in (((1024, 4), (2048, 8), (2048, 4), (512, 4), (1024, 8)) if hasattr(fm, "COMBINE_BLOCK") else (None,)):
+    default = (fm.COMBINE_BLOCK, fm.COMBINE_WARPS) if hasattr(fm, "COMBINE_BLOCK") else None
+    for cfg in (((1024, 4), (2048, 8), (2048, 4), (512, 4), (1024, 8)) if default else (None,)):
         if cfg:
             fm.COMBINE_BLOCK, fm.COMBINE_WARPS = cfg
         rows.append((f"combine T={T} block,warps={cfg}", us(lambda: fm.combine_slots(slot_out, 8, adds))))
-    if hasattr(fm, "COMBINE_BLOCK"):
-        fm.COMBINE_BLOCK, fm.COMBINE_WARPS = 1024, 4
+    if default:
+        fm.COMBINE_BLOCK, fm.COMBINE_WARPS = default
     # the shared expert's gate and up GEMMs and the router's, apart and as one stacked GEMM with an fp32 output
     x = torch.randn(T, 2048, device=dev, generator=gen).bfloat16()
     wg, wu = (torch.randn(512, 2048, device=dev, generator=gen).bfloat16() for _ in range(2))

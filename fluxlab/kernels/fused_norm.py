@@ -1,8 +1,8 @@
 """Fused RMSNorm and QK-norm + partial RoPE (Triton); the router top-k is kernels/route_topk.py.
 
-A decode step of LLaDA2.0-mini spends ~1/3 of its time in tiny elementwise kernels: RMSNorm is ~7
-launches per call (x4 per layer), partial RoPE ~10 each for q and k, the router ~15. These kernels
-do each of those in one launch, sync-free (CUDA-graph capturable), with the published numerics:
+A decode step of LLaDA2.0-mini spent ~1/3 of its time in tiny elementwise kernels: RMSNorm is ~7
+launches per call (x4 per layer), partial RoPE ~10 each for q and k. These kernels do each of those
+in one launch, sync-free (CUDA-graph capturable), with the published numerics:
 
 * `rms_norm(x, w, eps)`: h = x.float(); h = h * rsqrt(mean(h^2) + eps); out = w * h.to(x.dtype)
   (the weight product is fp32(h_bf16) * fp32(w) rounded once to x.dtype, which is what torch's

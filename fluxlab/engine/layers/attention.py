@@ -8,6 +8,7 @@ across blocks. This is the same contract FlashInfer's paged prefill implements (
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -94,7 +95,7 @@ class KVCache:
         v_rows[slot_mapping] = v
 
 
-class PagedBackend:
+class PagedBackend(ABC):
     """A backend whose forward writes the forward's K/V to their cache slots, then attends from the
     pages. A model whose own kernel produces K/V (the fused QK-norm + RoPE) writes them to `kv_rows`
     itself and calls `attend`: the separate write was two index_put launches a layer (~0.3 ms of a
@@ -111,9 +112,9 @@ class PagedBackend:
         """(K slot rows, V slot rows, slot_mapping [T]): where `forward` would write token t's K/V."""
         return (*self.cache.rows(layer_idx), self.meta.slot_mapping)
 
+    @abstractmethod
     def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the pages, this forward's K/V already in their slots."""
-        raise NotImplementedError
 
 
 class SdpaAttention(PagedBackend):
