@@ -8,7 +8,10 @@ Builds random bf16 weights of a preset on the GPU, measures the two ceilings (HB
 bf16 matmul rate) in the same run, then for each variant and batch size runs GSM8K-style prompts
 to 256 output tokens at block 32, decoding.steps=8 (random weights never pass the threshold, so
 every step accepts exactly 4 tokens and runs are comparable) and reports ms per pure decode
-forward, its floor and output tokens/s. A variant is backend[+graph][+prefill]: +graph captures the
+forward, its floor and output tokens/s. Two floors: `decode_floor`'s floor_ms, the larger of the
+forward's weight-streaming and FLOP times, and the serial floor (`serial_floor`), its stages' floors
+added up, because a layer's stages wait for each other (the per-block floor adds steps - 1 decode
+forwards and the commit forward). A variant is backend[+graph][+prefill]: +graph captures the
 decode graphs, +prefill also the prefill graphs of --prefill-tokens (attention.use_prefill_cuda_graph).
 --ttft-variants submits --concurrency prompts at once, one block each, and reports the time to each
 request's first committed block beside its floor (the prefill forward's, then steps - 1 decode
@@ -39,7 +42,9 @@ def measure_ceilings() -> dict:
 
 
 def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict) -> dict:
-    """Bytes a decode forward must read (weights it touches + cached K/V) and FLOPs it must do."""
+    """Bytes a decode forward must read (weights it touches + cached K/V) and FLOPs it must do:
+    floor_ms is the larger of the two times (issue 7's floor), serial_floor_ms the stages' floors
+    in sequence (`serial_floor`) with the masked half of the block's rows through the lm_head."""
     c = config
     h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     attn = h * (heads + 2 * kv) * d + heads * d * h
@@ -49,8 +54,7 @@ def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: 
     moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     dense_layers = c.num_hidden_layers - moe_layers
     tokens = batch * block
-    # Distinct experts hit per layer if routing spreads tokens uniformly (random weights do, nearly).
-    hit = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
+    hit = experts_hit(c, tokens)
     weight_params = (c.num_hidden_layers * attn + dense_layers * dense_mlp
                      + moe_layers * (shared + hit * expert + h * c.num_experts) + c.vocab_size * h)
     kv_bytes = batch * context_tokens * c.num_hidden_layers * 2 * kv * d * 2
@@ -59,7 +63,53 @@ def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: 
     flops = 2 * active * tokens + 4 * batch * block * context_tokens * heads * d * c.num_hidden_layers
     memory_s = (2 * weight_params + kv_bytes) / ceilings["hbm_bytes_per_s"]
     compute_s = flops / ceilings["bf16_flops_per_s"]
-    return {"floor_ms": 1e3 * max(memory_s, compute_s), "memory_ms": 1e3 * memory_s, "compute_ms": 1e3 * compute_s}
+    # decoding.steps fixed: the decode forwards of a block see block - k * block / steps masks,
+    # k = 1 .. steps - 1, block / 2 on average (the first step runs in the commit forward)
+    serial = serial_floor(c, batch, block, batch * block // 2, context_tokens, ceilings)
+    # the commit forward: the finished block (K/V only, no logits) and the next block's first step
+    commit = serial_floor(c, batch, 2 * block, batch * block, context_tokens, ceilings)
+    return {"floor_ms": 1e3 * max(memory_s, compute_s), "memory_ms": 1e3 * memory_s, "compute_ms": 1e3 * compute_s,
+            "serial_floor_ms": sum(serial.values()), "serial_stages_ms": serial,
+            "commit_serial_floor_ms": sum(commit.values())}
+
+
+def experts_hit(config, tokens: int) -> float:
+    """Distinct experts a layer's tokens route to if routing spreads them uniformly (random
+    weights do, nearly)."""
+    c = config
+    return c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
+
+
+def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens: float, ceilings: dict
+                 ) -> dict[str, float]:
+    """ms per stage of a forward whose stages run one after another, each at the larger of its
+    weight-streaming time and its FLOP time: a layer's experts wait for its attention, the next
+    layer for its experts, so a memory-bound stage cannot hide a compute-bound one. batch requests
+    of `rows` rows each through the layers, each attending to context_tokens cached keys;
+    logit_rows rows in all through the lm_head. Activation traffic (norms, the experts' combine,
+    the logits) is left out: a lower bound on the forward, tighter than `decode_floor`'s max."""
+    c = config
+    bw, peak = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
+    h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    layers = c.num_hidden_layers
+    moe_layers = sum(c.is_moe_layer(i) for i in range(layers))
+    expert = 3 * h * c.moe_intermediate_size
+    tokens = batch * rows
+
+    def dense(params: int, rows_in: int, count: int) -> float:  # a bf16 GEMM over rows_in rows, count times
+        return 1e3 * count * max(2 * params / bw, 2 * params * rows_in / peak)
+
+    kv_bytes = batch * context_tokens * 2 * kv * d * 2
+    attention_flops = 4 * tokens * context_tokens * heads * d
+    return {
+        "attention projections": dense(h * (heads + 2 * kv) * d + heads * d * h, tokens, layers),
+        "attention": 1e3 * layers * max(kv_bytes / bw, attention_flops / peak),
+        "dense mlp": dense(3 * h * c.intermediate_size, tokens, layers - moe_layers),
+        "router + shared experts": dense(h * c.num_experts + expert * c.num_shared_experts, tokens, moe_layers),
+        "routed experts": 1e3 * moe_layers * max(2 * experts_hit(c, tokens) * expert / bw,
+                                                 2 * expert * tokens * c.num_experts_per_tok / peak),
+        "lm head": dense(c.vocab_size * h, logit_rows, 1),
+    }
 
 
 def gsm8k_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -252,6 +302,11 @@ def main() -> None:
                 floor = decode_floor(run_engine.model_config, bs, args.block, context, ceilings)
                 row = {"variant": variant, "batch": bs, "tp": tp, **stats, **floor}
                 row["ratio"] = row["decode_ms_median"] / floor["floor_ms"] if row["decode_ms_median"] else None
+                # one block: steps - 1 decode forwards and the commit forward that starts it
+                row["block_serial_floor_ms"] = ((args.steps - 1) * floor["serial_floor_ms"]
+                                                + floor["commit_serial_floor_ms"])
+                if row["decode_ms_median"] and row["commit_ms_median"]:
+                    row["block_ms"] = (args.steps - 1) * row["decode_ms_median"] + row["commit_ms_median"]
                 results["rows"].append(row)
                 print(f"{variant:>18} bs={bs:>3}: decode {row['decode_ms_median']:.2f} ms (floor {floor['floor_ms']:.2f}, "
                       f"x{row['ratio']:.2f}), commit {row['commit_ms_median'] or 0:.2f} ms, other {row['other_ms_median'] or 0:.2f} ms, "
@@ -334,15 +389,17 @@ def main() -> None:
                                            "elapsed_s": elapsed, "tokens": len(ref.token_ids)}
             print(f"reference generate bs=1 ({label}): {len(ref.token_ids) / elapsed:.1f} tok/s "
                   f"({ref.forwards} forwards, {len(ref.token_ids)} tokens)", flush=True)
-    print("\n| variant | batch | ms/decode fwd | floor ms | x floor | commit fwd ms | other fwd ms | out tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| variant | batch | ms/decode fwd | floor ms | x floor | serial floor ms | commit fwd ms | commit serial "
+          "floor ms | block ms | block serial floor ms | other fwd ms | out tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["rows"]:
         if "error" in row:
-            print(f"| {row['variant']} | - | error: {row['error'][:60]} | | | | | |")
+            print(f"| {row['variant']} | - | error: {row['error'][:60]} | | | | | | | | | |")
             continue
         print(f"| {row['variant']} | {row['batch']} | {row['decode_ms_median']:.2f} | {row['floor_ms']:.2f} | "
-              f"{row['ratio']:.2f} | {row['commit_ms_median'] or 0:.2f} | {row['other_ms_median'] or 0:.2f} | "
-              f"{row['output_tok_s']:.0f} |")
+              f"{row['ratio']:.2f} | {row['serial_floor_ms']:.2f} | {row['commit_ms_median'] or 0:.2f} | "
+              f"{row['commit_serial_floor_ms']:.2f} | {row.get('block_ms') or 0:.1f} | {row['block_serial_floor_ms']:.1f} | "
+              f"{row['other_ms_median'] or 0:.2f} | {row['output_tok_s']:.0f} |")
     if "ttft" in results:
         t = results["ttft"]
         print(f"\n| variant | TTFT median ms (c={t['concurrency']}) | first (prefill) forward ms | TTFT floor ms | x floor | graph share |")

@@ -1,0 +1,55 @@
+"""The roofline floors (fluxlab/bench/roofline.py), computed on the CPU from LLaDA2.0-mini's shapes."""
+import pytest
+
+from fluxlab.bench.roofline import decode_floor, experts_hit, serial_floor
+from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+from fluxlab.engine.presets import PRESETS
+
+CEILINGS = {"hbm_bytes_per_s": 4.0e12, "bf16_flops_per_s": 800e12}
+H, V, EXPERT = 2048, 157184, 3 * 2048 * 512
+
+
+@pytest.fixture(scope="module")
+def mini():
+    return LLaDA2MoeConfig.from_dict(dict(PRESETS["llada2_mini"]))
+
+
+def test_routed_experts_stream_every_hit_expert_once(mini):
+    # 2048 tokens x top-8 over 256 experts: every expert is hit; 19 MoE layers (layer 0 is dense)
+    assert experts_hit(mini, 2048) == pytest.approx(256, abs=1e-6)
+    stages = serial_floor(mini, 64, 32, 1024, 300, CEILINGS)
+    assert stages["routed experts"] == pytest.approx(1e3 * 19 * 2 * 256 * EXPERT / 4.0e12)
+    # one token hits its 8 experts only
+    assert serial_floor(mini, 1, 1, 1, 300, CEILINGS)["routed experts"] == pytest.approx(
+        1e3 * 19 * 2 * 8 * EXPERT / 4.0e12)
+
+
+def test_lm_head_is_memory_bound_at_batch_1_and_compute_bound_at_batch_64(mini):
+    small = serial_floor(mini, 1, 32, 16, 300, CEILINGS)["lm head"]
+    big = serial_floor(mini, 64, 32, 1024, 300, CEILINGS)["lm head"]
+    assert small == pytest.approx(1e3 * 2 * V * H / 4.0e12)
+    assert big == pytest.approx(1e3 * 2 * V * H * 1024 / 800e12)
+
+
+def test_serial_floor_adds_the_stages_and_exceeds_the_larger_of_the_totals_at_batch_64(mini):
+    f = decode_floor(mini, 64, 32, 300, CEILINGS)
+    assert f["serial_floor_ms"] == pytest.approx(sum(f["serial_stages_ms"].values()))
+    # batch 64: the experts stream weights while the GEMMs are compute-bound, so they add up
+    assert f["serial_floor_ms"] > 1.2 * f["floor_ms"]
+    # the decode forward sends half the block's rows through the lm_head, the commit forward all of
+    # them and twice the rows through the layers
+    assert f["serial_stages_ms"]["lm head"] == pytest.approx(1e3 * 2 * V * H * 64 * 16 / 800e12)
+    assert f["commit_serial_floor_ms"] > f["serial_floor_ms"]
+    grow = [decode_floor(mini, b, 32, 300, CEILINGS)["serial_floor_ms"] for b in (1, 16, 64)]
+    assert grow == sorted(grow)
+
+
+def test_decode_floor_keeps_issue_7s_definition(mini):
+    # the larger of (touched weights + cached K/V) / bandwidth and FLOPs / peak
+    f = decode_floor(mini, 1, 32, 300, CEILINGS)
+    attn = H * (16 + 8) * 128 + 16 * 128 * H
+    hit = experts_hit(mini, 32)
+    weights = 20 * attn + 3 * H * 5120 + 19 * (EXPERT + hit * EXPERT + H * 256) + V * H
+    kv = 300 * 20 * 2 * 4 * 128 * 2
+    assert f["memory_ms"] == pytest.approx(1e3 * (2 * weights + kv) / 4.0e12)
+    assert f["floor_ms"] == max(f["memory_ms"], f["compute_ms"])
