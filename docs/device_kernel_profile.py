@@ -64,17 +64,24 @@ def group(n):
 per = {k: collections.defaultdict(float) for k in ("decode", "commit", "other")}
 names = {k: collections.defaultdict(float) for k in ("decode", "commit", "other")}
 cnt = collections.Counter()
+launches, busy_gaps = collections.defaultdict(int), collections.defaultdict(float)
 for i, (a, b) in steps.items():
     k = kinds[i]; cnt[k] += 1
-    for s, d, n in kernels:
-        if a <= s <= b:
-            per[k][group(n)] += d / 1e3; names[k][n[:90]] += d / 1e3
+    inside = sorted((s, d, n) for s, d, n in kernels if a <= s <= b)
+    launches[k] += len(inside)
+    # idle time between consecutive kernels, counting only gaps under 20 us (the graph's launch gaps,
+    # not the host's waits between eager parts)
+    busy_gaps[k] += sum(g for g in (s2 - (s1 + d1) for (s1, d1, _), (s2, _, _) in zip(inside, inside[1:]))
+                        if 0 < g < 20_000) / 1e3
+    for s, d, n in inside:
+        per[k][group(n)] += d / 1e3; names[k][n[:90]] += d / 1e3
 for k in ("decode", "commit"):
     if not cnt[k]:
         continue
     c = cnt[k]; tot = sum(per[k].values()) / c
     print(f"== bs={bs} {backend} {k}: {c} steps, wall median {sorted(wall[k])[len(wall[k])//2]:.2f} ms, "
-          f"GPU kernel sum {tot / 1e3:.2f} ms/step")
+          f"GPU kernel sum {tot / 1e3:.2f} ms/step, {launches[k] / c:.0f} kernels/step, "
+          f"gaps under 20 us {busy_gaps[k] / c / 1e3:.3f} ms/step")
     for g, us in sorted(per[k].items(), key=lambda t: -t[1]):
         print(f"   {g:<14} {us / c / 1e3:7.3f} ms  {us / c / tot:5.1%}")
     for n, us in sorted(names[k].items(), key=lambda t: -t[1])[:TOP]:
