@@ -8,7 +8,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from fluxlab.config import compose, validate_config
 from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
 from fluxlab.engine.request import SamplingParams
-from fluxlab.bench.roofline import gsm8k_prompts
+from fluxlab.bench.roofline import forward_kind, gsm8k_prompts
 
 bs = int(sys.argv[1]); backend = sys.argv[2] if len(sys.argv) > 2 else "triton"
 TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 14  # kernels listed by name
@@ -26,9 +26,7 @@ for _ in range(30):
 torch.cuda.synchronize()
 
 def kind():
-    rows = eng.scheduler.running
-    u = {r.active_block - r.num_cached_blocks for r in rows}
-    return {0: "decode", 1: "commit"}.get(u.pop(), "other") if len(u) == 1 and not eng.scheduler.waiting else "other"
+    return forward_kind(eng.scheduler.running, len(eng.scheduler.waiting), bs)
 
 kinds = []
 wall = collections.defaultdict(list)

@@ -2,7 +2,7 @@
 # Session 11 device calls (docs/benchmarks.md §22), run from the repository root with carry [".whl", ".fi"]:
 # .whl from ../shared/tools/device-wheels.sh --serve opentelemetry-api annotated-doc, .fi/gsm8k.jsonl from
 # ../shared/datasets, .fi/pre = git archive 9961016 fluxlab conf hydra_plugins (without fluxlab/assets/arith_llada2).
-# Args: any of fa4a tests gputests pdl prof roof roofnew served (default: tests pdl prof).
+# Args: any of fa4a tests gputests pdl prof roof roofnew roof128 served (default: tests pdl prof).
 # fa4a: the first call of docs/device_s11_fa4.sh's pair (carry .fa4a too): FA4's small wheels unzipped into
 # /tmp/fa4 and the first part of its cu13 libs (re-packed as tar.xz, split in two) copied to /tmp.
 source docs/device_lib.sh
@@ -21,7 +21,9 @@ if want tests; then
 fi
 if want gputests; then  # every other GPU test file
   el "other gpu tests"
+  # (the server tests need openai, which the image lacks and .whl does not carry)
   timeout 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider --deselect tests/test_soak.py \
+    --ignore tests/test_server.py --ignore tests/test_server_dp.py \
     --ignore tests/test_fused_norm.py --ignore tests/test_swiglu.py --ignore tests/test_block_attention.py \
     --ignore tests/test_fused_moe.py --ignore tests/test_staging.py --ignore tests/test_moe_block.py \
     --ignore tests/test_vocab_stats.py --ignore tests/test_canvas_stats.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
@@ -35,6 +37,10 @@ if want prof; then
 fi
 want roof && roofline_runs new1 pre1 new2
 want roofnew && roofline_runs new1
+if want roof128; then
+  el "roofline 128 tokens"; timeout 90 python3 -m fluxlab.bench.roofline --batch-sizes 1,16,64 --max-new-tokens 128 \
+    --variants triton+graph --out $OUT/roof_new128.json 2>&1 | grep -E "bs=|Error|Traceback" | cut -c1-200 | tail -3
+fi
 if want served; then
   served $PWD new paged,dynamic 16,64; served_summary new
   served $PWD/.fi/pre pre paged,dynamic 16,64; served_summary pre

@@ -123,6 +123,16 @@ def gsm8k_prompts(tokenizer, count: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
+def forward_kind(running: list, num_waiting: int, batch: int) -> str:
+    """decode: all `batch` requests running, each on one uncached block; commit: all running, each
+    committing its block and starting the next; other: the rest (prefill, mixed phases, and a batch
+    whose first requests have finished, which would otherwise time a smaller batch as this one)."""
+    if num_waiting or len(running) != batch:
+        return "other"
+    uncached = {r.active_block - r.num_cached_blocks for r in running}
+    return {0: "decode", 1: "commit"}.get(uncached.pop(), "other") if len(uncached) == 1 else "other"
+
+
 def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int) -> dict:
     """All prompts at once; time every forward, by kind: decode (every row one active block),
     commit (every row commits a block and starts the next), other (prefill, mixed)."""
@@ -139,11 +149,7 @@ def run_batch(engine, prompts: list[list[int]], max_new_tokens: int, steps: int)
     torch.cuda.synchronize()
     started = time.perf_counter()
     while engine.has_unfinished():
-        rows = engine.scheduler.running
-        uncached = {r.active_block - r.num_cached_blocks for r in rows}
-        kind = "other"
-        if rows and not engine.scheduler.waiting and len(uncached) == 1:
-            kind = {0: "decode", 1: "commit"}.get(uncached.pop(), "other")
+        kind = forward_kind(engine.scheduler.running, len(engine.scheduler.waiting), len(prompts))
         t0 = time.perf_counter()
         for out in engine.step():
             outputs += len(out.new_token_ids)

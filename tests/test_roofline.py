@@ -1,7 +1,10 @@
-"""The roofline floors (fluxlab/bench/roofline.py), computed on the CPU from LLaDA2.0-mini's shapes."""
+"""The roofline bench (fluxlab/bench/roofline.py) on the CPU: its floors from LLaDA2.0-mini's shapes,
+and which forwards it times as decode and commit forwards of a batch."""
+from types import SimpleNamespace
+
 import pytest
 
-from fluxlab.bench.roofline import decode_floor, experts_hit, serial_floor
+from fluxlab.bench.roofline import decode_floor, experts_hit, forward_kind, serial_floor
 from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
 from fluxlab.engine.presets import PRESETS
 
@@ -53,3 +56,17 @@ def test_decode_floor_keeps_issue_7s_definition(mini):
     kv = 300 * 20 * 2 * 4 * 128 * 2
     assert f["memory_ms"] == pytest.approx(1e3 * (2 * weights + kv) / 4.0e12)
     assert f["floor_ms"] == max(f["memory_ms"], f["compute_ms"])
+
+
+def _rows(*uncached: int) -> list:
+    return [SimpleNamespace(active_block=5 + u, num_cached_blocks=5) for u in uncached]
+
+
+def test_forward_kind_times_only_the_whole_batch_in_one_phase():
+    assert forward_kind(_rows(0, 0, 0), 0, 3) == "decode"
+    assert forward_kind(_rows(1, 1, 1), 0, 3) == "commit"
+    assert forward_kind(_rows(0, 1, 0), 0, 3) == "other"  # rows prefilled in different forwards
+    assert forward_kind(_rows(0, 0), 1, 3) == "other"  # one still waiting
+    # the first rows finished: a smaller batch's forward must not count as this batch's
+    assert forward_kind(_rows(0, 0), 0, 3) == "other"
+    assert forward_kind([], 0, 3) == "other"
