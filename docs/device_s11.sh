@@ -2,7 +2,8 @@
 # Session 11 device calls (docs/benchmarks.md §22), run from the repository root with carry [".whl", ".fi"]:
 # .whl from ../shared/tools/device-wheels.sh --serve opentelemetry-api annotated-doc, .fi/gsm8k.jsonl from
 # ../shared/datasets, .fi/pre = git archive 9961016 fluxlab conf hydra_plugins (without fluxlab/assets/arith_llada2).
-# Args: any of fa4a tests gputests pdl prof roof roofnew roof128 served (default: tests pdl prof).
+# Args: any of fa4a tests gputests pdl prof roof roofnew roof128 attn served (default: tests pdl prof).
+# attn: block attention's pages per softmax step: micro new/pre, its GPU tests, the roofline at 1, 2 and 4.
 # fa4a: the first call of docs/device_s11_fa4.sh's pair (carry .fa4a too): FA4's small wheels unzipped into
 # /tmp/fa4 and the first part of its cu13 libs (re-packed as tar.xz, split in two) copied to /tmp.
 source docs/device_lib.sh
@@ -40,6 +41,18 @@ want roofnew && roofline_runs new1
 if want roof128; then
   el "roofline 128 tokens"; timeout 90 python3 -m fluxlab.bench.roofline --batch-sizes 1,16,64 --max-new-tokens 128 \
     --variants triton+graph --out $OUT/roof_new128.json 2>&1 | grep -E "bs=|Error|Traceback" | cut -c1-200 | tail -3
+fi
+if want attn; then
+  el "attention micro"; timeout 60 python3 docs/device_attention_pages.py new 2>&1 | grep -E "^new|Error" | tail -16
+  (cd .fi/pre && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 $R/docs/device_attention_pages.py pre 2>&1 | grep -E "^pre|Error")
+  el "block attention gpu tests"
+  timeout 120 python3 -m pytest -q -m gpu tests/test_block_attention.py -p no:cacheprovider 2>&1 | grep -E "passed|failed|Error" | tail -3
+  for n in 1 2 4; do
+    el "roofline pages_per_step $n"
+    timeout 90 python3 -c "import runpy, sys; import fluxlab.kernels.block_attention as b; b.PAGES_PER_STEP = $n
+sys.argv = ['roofline', '--batch-sizes', '1,16,64', '--variants', 'triton+graph', '--out', '$OUT/roof_pages$n.json']
+runpy.run_module('fluxlab.bench.roofline', run_name='__main__')" 2>&1 | grep -E "bs=|Error|Traceback" | cut -c1-150 | tail -3
+  done
 fi
 if want served; then
   served $PWD new paged,dynamic 16,64; served_summary new

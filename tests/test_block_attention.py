@@ -114,6 +114,7 @@ def _interpreter_checks() -> None:
         got, want = compare_with_sdpa(cpu, torch.float32, bl, heads, kv_heads, dim, graph_segments, seed=bl + heads)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     _check_stacked_heads_give_the_per_head_programs_outputs()
+    _check_pages_per_step_give_the_one_page_outputs()
     fused, unfused = fused_and_unfused_writes(cpu, torch.float32)
     assert fused[1].any() and fused[2].any()
     for a, b in zip(fused, unfused):
@@ -148,6 +149,32 @@ def _check_stacked_heads_give_the_per_head_programs_outputs() -> None:
         raise AssertionError("pack=3 with 4 heads per KV head was accepted")
     except ValueError as err:
         assert "pack=3" in str(err)
+
+
+def _check_pages_per_step_give_the_one_page_outputs() -> None:
+    from fluxlab.kernels.block_attention import block_attention
+
+    gen = torch.Generator().manual_seed(7)
+    bl, heads, kv_heads, dim, pages = 8, 4, 2, 16, 9
+    k, v = (torch.randn(pages, bl, kv_heads, dim, generator=gen) for _ in range(2))
+    q = torch.randn(4 * bl, heads, dim, generator=gen)
+    # 5, 1, 3 and 7 pages: steps of 2 and 4 pages end on a partial step (its missing pages masked)
+    table = torch.tensor([[0, 1, 2, 3, 4, 0, 0], [5, 0, 0, 0, 0, 0, 0], [6, 7, 8, 0, 0, 0, 0],
+                          [8, 7, 6, 5, 4, 3, 2]], dtype=torch.int32)
+    used = torch.tensor([5 * bl, bl, 3 * bl, 7 * bl], dtype=torch.int32)
+    outs = {n: block_attention(q, k, v, table, used, dim ** -0.5, pages_per_step=n) for n in (1, 2, 4)}
+    assert torch.isfinite(outs[4]).all()
+    for n in (2, 4):
+        torch.testing.assert_close(outs[n], outs[1], rtol=1e-5, atol=1e-5)
+    # block 3 attends to pages 8, 7, ..., 2 (the table's order does not matter to the softmax)
+    keys, vals = (torch.cat([t[i] for i in (8, 7, 6, 5, 4, 3, 2)])[:, 0] for t in (k, v))
+    want = torch.softmax(q[3 * bl:, 1] @ keys.T * dim ** -0.5, dim=-1) @ vals
+    torch.testing.assert_close(outs[4][3 * bl:, 1], want, rtol=1e-5, atol=1e-5)
+    try:
+        block_attention(q, k, v, table, used, 1.0, pages_per_step=3)
+        raise AssertionError("pages_per_step=3 was accepted")
+    except ValueError as err:
+        assert "pages_per_step=3" in str(err)
 
 
 def _engine_check() -> None:

@@ -26,10 +26,11 @@ if HAVE_TRITON:
                                 stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh,
                                 stride_table, scale_log2, group,
                                 BL: tl.constexpr, BM: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr,
-                                IEEE: tl.constexpr):
+                                PAGES: tl.constexpr, IEEE: tl.constexpr):
         # One program: one query block and PACK query heads of one KV head, stacked as PACK * BM rows
         # (head-major), so each key page is loaded once for the heads that share it and the dots are
-        # PACK times taller.
+        # PACK times taller. Each step of the softmax takes PAGES pages' keys (PAGES * BM columns):
+        # fewer dependent steps for a program that walks a long context alone.
         segment = tl.program_id(0)
         first_head = tl.program_id(1) * PACK
         kv_head = first_head // group
@@ -44,11 +45,15 @@ if HAVE_TRITON:
         run_max = tl.full([PACK * BM], -float("inf"), dtype=tl.float32)
         run_sum = tl.zeros([PACK * BM], dtype=tl.float32)
         acc = tl.zeros([PACK * BM, D], dtype=tl.float32)
-        slots = tl.arange(0, BM)
-        key_ok = slots < BL  # keys of a page: the same BL slots as the queries of a block
-        for p in range(0, num_pages):
-            page = tl.load(table_ptr + segment * stride_table + p).to(tl.int64)
-            at = page * stride_kp + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+        cols = tl.arange(0, PAGES * BM)
+        slots = cols % BM  # keys of a page: the same BL slots as the queries of a block
+        for first in range(0, num_pages, PAGES):
+            # page `first` always exists, so every step has a finite score per row (no NaN below)
+            p = first + cols // BM
+            page_ok = p < num_pages
+            key_ok = page_ok & (slots < BL)
+            page = tl.load(table_ptr + segment * stride_table + p, mask=page_ok, other=0).to(tl.int64)
+            at = page[:, None] * stride_kp + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
             keys = tl.load(k_ptr + at, mask=key_ok[:, None], other=0.0)
             if IEEE:
                 scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
@@ -76,12 +81,20 @@ def heads_per_program(group: int, block_m: int) -> int:
     return group if group & (group - 1) == 0 and group * block_m <= 128 else 1
 
 
+# Key pages per softmax step. H200, LLaDA2.0-mini heads, blocks of 32, us per call for 1 / 2 / 4 pages
+# (docs/benchmarks.md §22): batch 1 at 9 pages 12.2 / 10.9 / 13.7, at 32 pages 36.2 / 28.5 / 30.8;
+# batch 64 at 9 pages 23.6 / 22.4 / 35.4. Four pages' [128, 128] score tile costs more than it saves.
+PAGES_PER_STEP = 2
+
+
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                    used_tokens: torch.Tensor, scale: float, pack: int | None = None) -> torch.Tensor:
+                    used_tokens: torch.Tensor, scale: float, pack: int | None = None,
+                    pages_per_step: int | None = None) -> torch.Tensor:
     """out [S * bl, Hq, D] for q [S * bl, Hq, D] (S query blocks of bl tokens), one layer's pages
     k_cache / v_cache [P, bl, Hkv, D], page_table [S, W] int32 (each block's request's pages) and
     used_tokens [S] int32 = (block + 1) * bl: the keys block s attends to are pages 0 .. block.
-    pack: query heads per program (default `heads_per_program`; 1 is a program per head)."""
+    pack: query heads per program (default `heads_per_program`; 1 is a program per head);
+    pages_per_step: key pages per softmax step, a power of two (default PAGES_PER_STEP)."""
     num_pages, bl, num_kv_heads, head_dim = k_cache.shape
     tokens, num_heads, _ = q.shape
     segments = tokens // bl
@@ -98,9 +111,13 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pack = heads_per_program(group, block_m) if pack is None else pack
     if pack < 1 or group % pack:
         raise ValueError(f"pack={pack} must divide the {group} query heads of a KV head")
+    pages = PAGES_PER_STEP if pages_per_step is None else pages_per_step
+    if pages < 1 or pages & (pages - 1):
+        raise ValueError(f"pages_per_step={pages} must be a power of two")
     _block_attention_kernel[(segments, num_heads // pack)](
         q, k_cache, v_cache, out, page_table, used_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, group,
-        BL=bl, BM=block_m, PACK=pack, D=head_dim, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        BL=bl, BM=block_m, PACK=pack, D=head_dim, PAGES=pages, IEEE=q.dtype == torch.float32, num_warps=4,
+        num_stages=2)
     return out
