@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fluxlab.bench.roofline import decode_floor, experts_hit, forward_kind, serial_floor
+from fluxlab.bench.roofline import _num, decode_floor, experts_hit, forward_kind, serial_floor
 from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
 from fluxlab.engine.presets import PRESETS
 
@@ -70,3 +70,5 @@ def test_forward_kind_times_only_the_whole_batch_in_one_phase():
     # the first rows finished: a smaller batch's forward must not count as this batch's
     assert forward_kind(_rows(0, 0), 0, 3) == "other"
     assert forward_kind([], 0, 3) == "other"
+    # no forward of a kind: the tables print '-' instead of failing the variant
+    assert (_num(None), _num(12.345), _num(108.94, 1)) == ("-", "12.35", "108.9")

@@ -123,6 +123,12 @@ def gsm8k_prompts(tokenizer, count: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
+def _num(value: Optional[float], digits: int = 2) -> str:
+    """A median for the tables; '-' where no forward of that kind ran (e.g. a batch whose requests
+    never all ran in one phase)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def forward_kind(running: list, num_waiting: int, batch: int) -> str:
     """decode: all `batch` requests running, each on one uncached block; commit: all running, each
     committing its block and starting the next; other: the rest (prefill, mixed phases, and a batch
@@ -314,8 +320,8 @@ def main() -> None:
                 if row["decode_ms_median"] and row["commit_ms_median"]:
                     row["block_ms"] = (args.steps - 1) * row["decode_ms_median"] + row["commit_ms_median"]
                 results["rows"].append(row)
-                print(f"{variant:>18} bs={bs:>3}: decode {row['decode_ms_median']:.2f} ms (floor {floor['floor_ms']:.2f}, "
-                      f"x{row['ratio']:.2f}), commit {row['commit_ms_median'] or 0:.2f} ms, other {row['other_ms_median'] or 0:.2f} ms, "
+                print(f"{variant:>18} bs={bs:>3}: decode {_num(row['decode_ms_median'])} ms (floor {floor['floor_ms']:.2f}, "
+                      f"x{_num(row['ratio'])}), commit {_num(row['commit_ms_median'])} ms, other {_num(row['other_ms_median'])} ms, "
                       f"host {row['host_decode_ms_median'] or 0:.3f} ms/decode step, {row['host_commit_ms_median'] or 0:.3f} "
                       f"ms/commit step, graphs {row['graph_share'] or 0:.0%}, launched ahead {row['ahead_share'] or 0:.0%}, "
                       f"{row['output_tok_s']:.0f} tok/s",
@@ -402,9 +408,9 @@ def main() -> None:
         if "error" in row:
             print(f"| {row['variant']} | - | error: {row['error'][:60]} | | | | | | | | | |")
             continue
-        print(f"| {row['variant']} | {row['batch']} | {row['decode_ms_median']:.2f} | {row['floor_ms']:.2f} | "
-              f"{row['ratio']:.2f} | {row['serial_floor_ms']:.2f} | {row['commit_ms_median'] or 0:.2f} | "
-              f"{row['commit_serial_floor_ms']:.2f} | {row.get('block_ms') or 0:.1f} | {row['block_serial_floor_ms']:.1f} | "
+        print(f"| {row['variant']} | {row['batch']} | {_num(row['decode_ms_median'])} | {row['floor_ms']:.2f} | "
+              f"{_num(row['ratio'])} | {row['serial_floor_ms']:.2f} | {_num(row['commit_ms_median'])} | "
+              f"{row['commit_serial_floor_ms']:.2f} | {_num(row.get('block_ms'), 1)} | {row['block_serial_floor_ms']:.1f} | "
               f"{row['other_ms_median'] or 0:.2f} | {row['output_tok_s']:.0f} |")
     if "ttft" in results:
         t = results["ttft"]
