@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from fluxlab.bench.moe_tune import graph_ms
 from fluxlab.kernels.block_attention import block_attention
 
 LABEL = sys.argv[1] if len(sys.argv) > 1 else "new"
@@ -16,21 +17,8 @@ takes_pages = "pages_per_step" in inspect.signature(block_attention).parameters
 
 
 def graph_us(fn, calls=20, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * reps)
+    """us per call: `calls` calls captured in one CUDA graph, the graph replayed `reps` times."""
+    return 1e3 * graph_ms(lambda: [fn() for _ in range(calls)], reps) / calls
 
 
 def main():

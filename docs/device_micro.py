@@ -7,6 +7,7 @@ import importlib.util, sys
 import torch
 import torch.nn.functional as F
 import fluxlab.kernels.fused_norm as fn
+from fluxlab.bench.moe_tune import graph_ms
 from fluxlab.kernels import moe_align as ma
 
 try:  # kernels/route_topk.py from session 10 on; fused_norm.py before
@@ -19,24 +20,8 @@ dev = torch.device("cuda")
 
 
 def us(fn_, reps=20, replays=30):
-    fn_()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn_()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn_()
-    g.replay(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record(); torch.cuda.synchronize()
-    return 1e3 * a.elapsed_time(b) / (reps * replays)
+    """us per call: reps calls captured in one CUDA graph, the graph replayed `replays` times."""
+    return 1e3 * graph_ms(lambda: [fn_() for _ in range(reps)], replays) / reps
 
 
 rows = []

@@ -442,7 +442,6 @@ def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtyp
     return out
 
 
-
 def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
     """A TMA descriptor over the stacked expert weights as one [E*N, K] matrix, [block_n, block_k]
     tiles (host-side: a kernel argument by value, so a CUDA graph keeps it)."""

@@ -110,7 +110,7 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
     _route_kernel[(T,)](logits, bias, idx, w, logits.stride(0), float(routed_scaling_factor),
                         G=n_group, GS=gs, BLOCK_G=block_g, BLOCK_GS=block_gs, TOPK_GROUP=topk_group,
                         TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
-                        num_warps=ROUTE_WARPS if block_g * block_gs >= 256 else 1)
+                        num_warps=ROUTE_WARPS)
     return idx, w
 
 
