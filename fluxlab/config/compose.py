@@ -4,8 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from omegaconf import DictConfig
-
+from omegaconf import DictConfig, OmegaConf
 
 
 def config_root() -> Path:
@@ -30,10 +29,15 @@ def asset_path(name: str) -> str:
 
 
 def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
     if not OmegaConf.has_resolver("fluxlab_asset"):
         OmegaConf.register_new_resolver("fluxlab_asset", asset_path)
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """The config with every `${...}` replaced by its value: what crosses a process boundary (the
+    engine process, TP workers, sweep jobs). A child composes nothing and has neither our resolvers
+    nor Hydra's runtime, so an interpolation left in would fail there, after the parent said ready."""
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 # Users say recipe=NAME and sweep=NAME; the folders recipes/ and sweeps/ are the Hydra groups.
 GROUP_ALIASES = {"recipe": "recipes", "sweep": "sweeps"}

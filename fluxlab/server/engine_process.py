@@ -21,6 +21,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
+from fluxlab.config.compose import resolved
 from fluxlab.engine.request import RequestOutput, SamplingParams
 from fluxlab.server.async_engine import AsyncEngine, EngineDead, _Stream, accepted_queue, check_room
 
@@ -44,7 +45,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine_process, name="fluxlab-engine", daemon=False,
-                                        args=(cfg, child_conn, max_waiting_requests, cfg.server.log_level))
+                                        args=(resolved(cfg), child_conn, max_waiting_requests, cfg.server.log_level))
         self._process.start()
         child_conn.close()
         from transformers.dynamic_module_utils import init_hf_modules
