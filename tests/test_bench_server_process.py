@@ -41,6 +41,12 @@ def test_per_request_keys_do_not_change_the_server_key():
     assert "engine.dtype='bfloat16'" in base and not any(o.startswith("decoding.threshold=") for o in base)
 
 
+def test_the_started_server_listens_on_server_port():
+    assert "server.port=0" in server_process.server_overrides(cfg())  # bench's default: a free port
+    pinned = server_process.server_overrides(cfg("server.port=9123"))
+    assert "server.port=9123" in pinned and "server.port=0" not in pinned
+
+
 def test_server_is_reused_for_per_request_keys_and_restarted_otherwise(monkeypatch, tmp_path):
     monkeypatch.setattr(server_process, "ServerProcess", FakeServer)
     monkeypatch.setattr(server_process, "_current", None)

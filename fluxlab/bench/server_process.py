@@ -54,13 +54,14 @@ def _hydra_value(value: Any) -> str:
 def server_overrides(cfg: DictConfig) -> list[str]:
     """The resolved server-affecting keys of a bench config as `key=value` overrides for `serve`.
 
-    Two jobs whose lists are equal can share one server. host/port are chosen by bench.
+    Two jobs whose lists are equal can share one server. The host is bench's own (loopback); the
+    port is server.port (bench's default 0: the OS picks a free one).
     """
     resolved = OmegaConf.to_container(cfg, resolve=True)
     overrides = []
     for group in SERVER_GROUPS:
         for key, value in resolved[group].items():
-            if (group == "decoding" and key in PER_REQUEST_KEYS) or (group == "server" and key in ("host", "port")):
+            if (group == "decoding" and key in PER_REQUEST_KEYS) or (group == "server" and key == "host"):
                 continue
             overrides.append(f"{group}.{key}={_hydra_value(value)}")
     overrides.append(f"recipe_name={_hydra_value(resolved.get('recipe_name'))}")
@@ -73,11 +74,11 @@ class ServerProcess:
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float):
         self.overrides = overrides
         self.log_path = log_path
-        self.url = ""  # from the ready line: port 0 lets the OS pick a free port with no race
+        self.url = ""  # from the ready line: server.port=0 lets the OS pick a free port with no race
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(log_path, "ab")
         command = [sys.executable, "-m", "fluxlab", "serve", *overrides, "server.host=127.0.0.1",
-                   "server.port=0", f"hydra.run.dir={_hydra_value(str(log_path.parent / 'serve'))}"]
+                   f"hydra.run.dir={_hydra_value(str(log_path.parent / 'serve'))}"]
         log.info("starting server: %s", " ".join(re.sub(r"(api_key=)(?!null$).+", r"\1***", c) for c in command))
         # Its own session, so stop() can end the server's workers too (TP ranks, router) by group id.
         self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT,
