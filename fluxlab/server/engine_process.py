@@ -110,8 +110,8 @@ class EngineProcess:
         self._send(("stop",))
         self._process.join(timeout_s)
         if self._process.is_alive():
-            log.warning("the engine process did not stop in %.0f s; terminating it", timeout_s)
-            self._process.terminate()
+            log.warning("the engine process did not stop in %.0f s; killing it", timeout_s)
+            self._process.kill()  # it ignores SIGTERM
             self._process.join(5)
         if self._reader.is_alive():
             self._reader.join(5)
@@ -246,7 +246,11 @@ def run_engine_process(cfg: Any, conn: Any, max_waiting_requests: int, log_level
     """The child's main: build the engine, report ready (or why not), run the loop until stopped."""
     from fluxlab.engine.llm_engine import make_engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us
+    # Ctrl-C reaches the whole process group, and so does systemd's stop (KillMode=control-group):
+    # the server stops us through the pipe (in-flight requests end cleanly), and a server that is
+    # gone closes the pipe, which stops us as well.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = make_engine(cfg)
