@@ -73,11 +73,12 @@ class SoakReport:
         return sum(n for p in self.phases for s, n in p.statuses.items() if str(s).startswith("5"))
 
     def table(self) -> str:
-        rows = ["phase  seconds  requests  5xx  failures  free/total pages  rss MiB"]
+        rows = ["phase  seconds  requests  req/s  5xx  failures  free/total pages  rss MiB"]
         for p in self.phases:
             fives = sum(n for s, n in p.statuses.items() if str(s).startswith("5"))
             rss = f"{p.rss_mib:.0f}" if p.rss_mib is not None else "-"
-            rows.append(f"{p.phase:>5}  {p.seconds:>7.1f}  {p.requests:>8}  {fives:>3}  {len(p.failures):>8}  "
+            rate = p.requests / p.seconds if p.seconds > 0 else 0.0
+            rows.append(f"{p.phase:>5}  {p.seconds:>7.1f}  {p.requests:>8}  {rate:>5.1f}  {fives:>3}  {len(p.failures):>8}  "
                         f"{p.kv_free_pages:>7}/{p.kv_total_pages:<8}  {rss:>7}")
         return "\n".join(rows)
 
@@ -202,6 +203,9 @@ class _Load:
 async def run_phase(url: str, model: str, phase: int, seconds: float, max_requests: int, concurrency: int,
                     max_tokens: int, seed: int, pid: Optional[int], headers: dict) -> PhaseReport:
     rng = random.Random(seed * 1000 + phase)
+    # Its own generator: the i-th request's kind does not depend on how the workers interleave, so
+    # a phase of a fixed request count always issues the same mix.
+    kinds = random.Random(seed * 1000 + phase + 500)
     async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as http:
         load = _Load(http, model, rng, max_tokens)
         started = time.monotonic()
@@ -211,7 +215,7 @@ async def run_phase(url: str, model: str, phase: int, seconds: float, max_reques
             nonlocal issued
             while time.monotonic() - started < seconds and issued < max_requests:
                 issued += 1
-                await load.one(rng.choices(KINDS, WEIGHTS)[0])
+                await load.one(kinds.choices(KINDS, WEIGHTS)[0])
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - started
