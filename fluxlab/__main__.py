@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from fluxlab.config.compose import rewrite_aliases
 
-    sys.argv = [f"fluxlab {command}"] + rewrite_aliases(rest)
+    try:
+        overrides = rewrite_aliases(rest)
+    except ValueError as err:  # model.path=DIR: no config.json, or a family fluxlab does not serve
+        print(f"fluxlab {command}: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [f"fluxlab {command}"] + overrides
     importlib.import_module(f"fluxlab.commands.{command}").main()
 
 

@@ -25,13 +25,10 @@ class GenerateResult:
 class LLM:
     def __init__(self, model: Optional[str] = None, overrides: Sequence[str] = ()):
         """model: a model group name (arith_llada2, the default; tiny_llada2, llada2_mini, ...) or a
-        checkpoint folder."""
+        checkpoint folder, whose config.json picks the family's group (fluxlab/config/model_folder.py)."""
         items = list(overrides)
         if model is not None:
-            if (CONF_DIR / "model" / f"{model}.yaml").exists():
-                items.insert(0, f"model={model}")
-            else:
-                items = [f"model.path={model}", "model.preset=null"] + items
+            items.insert(0, f"model={model}" if (CONF_DIR / "model" / f"{model}.yaml").exists() else f"model.path={model}")
         cfg = compose("generate", items)
         validate_config(cfg)  # raises ConfigError naming the keys
         self._init(cfg)

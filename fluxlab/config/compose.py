@@ -44,14 +44,17 @@ GROUP_ALIASES = {"recipe": "recipes", "sweep": "sweeps"}
 
 
 def rewrite_aliases(overrides: Sequence[str]) -> list[str]:
-    """Map `recipe=X` / `sweep=X` (also with `+`/`~`) onto the groups `recipes` / `sweeps`."""
+    """Map `recipe=X` / `sweep=X` (also with `+`/`~`) onto the groups `recipes` / `sweeps`; then a
+    checkpoint folder without a model group picks its family's (model_folder.py)."""
     out = []
     for item in overrides:
         prefix = item[: len(item) - len(item.lstrip("+~"))]
         body = item[len(prefix):]
         key, sep, value = body.partition("=")
         out.append(f"{prefix}{GROUP_ALIASES.get(key, key)}{sep}{value}" if key in GROUP_ALIASES else item)
-    return out
+    from fluxlab.config.model_folder import with_model_folder
+
+    return with_model_folder(out)
 
 
 def compose(command: str, overrides: Sequence[str] = ()) -> DictConfig:

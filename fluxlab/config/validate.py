@@ -12,6 +12,7 @@ from omegaconf import DictConfig, open_dict
 
 from fluxlab.config.schema import AttentionConfig, DecodingConfig
 from fluxlab.engine.layers.backends import BACKENDS, GRAPH_BACKENDS, NO_FP32
+from fluxlab.models.registry import UnknownModelFamily, describe, family_of_model
 
 POLICIES = ("paged", "dynamic", "static")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,7 +80,7 @@ def _model_routing_block(model: DictConfig) -> tuple[int, str]:
 def _notes_canvas(dec: DictConfig, model: DictConfig, notes: list[str]) -> None:
     """Diffusion-Gemma: the canvas decoder, and a canvas is the block (one page)."""
     _check(dec.decoder == "canvas",
-           f"decoding.decoder={dec.decoder}: model={model.name} is a Diffusion-Gemma model; use decoding=canvas")
+           f"decoding.decoder={dec.decoder}: {describe(model)} is a Diffusion-Gemma model; use decoding=canvas")
     _check(dec.canvas_length >= 1, f"decoding.canvas_length={dec.canvas_length} must be >= 1")
     if dec.block_length != dec.canvas_length:
         notes.append(f"decoding.block_length set to decoding.canvas_length={dec.canvas_length} (a canvas is a block)")
@@ -95,26 +96,26 @@ def _check_canvas_engine(cfg: DictConfig) -> None:
     """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, CUDA
     graphs of its canvas step only (canvas_graphs.py), its experts' own kernels, one device."""
     attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
-    name = cfg.model.name
+    name = describe(cfg.model)
     if attn.backend == "auto":
         attn.backend = "sdpa"
-    _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: model={name} (Diffusion-Gemma) runs its "
+    _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: {name} (Diffusion-Gemma) runs its "
                                    "own paged sdpa attention in this build; use attention=sdpa")
     _check(not attn.use_prefill_cuda_graph,
-           f"attention.use_prefill_cuda_graph=true: model={name} (Diffusion-Gemma) graphs only its canvas step "
+           f"attention.use_prefill_cuda_graph=true: {name} (Diffusion-Gemma) graphs only its canvas step "
            "(attention.use_decode_cuda_graph=true: denoising, with or without committing one block); prompt "
            "prefills run eagerly in this build")
     _check(attn.cuda_graph_decode_mode == "padded",
-           f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode}: model={name} (Diffusion-Gemma) pads a "
+           f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode}: {name} (Diffusion-Gemma) pads a "
            "denoising batch to one graph (padded); a batch larger than the largest graph runs eagerly")
-    _check(eng.moe_backend == "auto", f"engine.moe_backend={eng.moe_backend}: model={name} (Diffusion-Gemma) picks "
+    _check(eng.moe_backend == "auto", f"engine.moe_backend={eng.moe_backend}: {name} (Diffusion-Gemma) picks "
                                       "its experts' kernel itself (grouped GEMM on CUDA bf16); leave it at auto")
     _check(not cfg.scheduler.enable_prefix_cache,
-           f"scheduler.enable_prefix_cache=true: model={name} (Diffusion-Gemma) keeps only the sliding window's "
+           f"scheduler.enable_prefix_cache=true: {name} (Diffusion-Gemma) keeps only the sliding window's "
            "pages of its sliding layers (fluxlab/engine/canvas_pages.py), so a cached block's sliding K/V is gone "
            "when its request ends; set scheduler.enable_prefix_cache=false (the model group's default)")
     _check(par.tp_size == 1 and par.ep_size == 1,
-           f"parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: model={name} (Diffusion-Gemma) runs on "
+           f"parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: {name} (Diffusion-Gemma) runs on "
            "one device in this build (parallel.dp_size replicas work)")
 
 
@@ -150,22 +151,25 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         # --- decoding ---
         # Names and ranges are the decoder registry's (imported here: `--help` must not load torch).
         from fluxlab.engine.decoding.registry import DECODERS, KNOBS
-        from fluxlab.engine.model_kind import is_diffusion_gemma
 
         _check(dec.decoder in DECODERS,
                f"decoding.decoder={dec.decoder!r}: use one of {', '.join(DECODERS)}")
-        if is_diffusion_gemma(model):
+        try:
+            family = family_of_model(model)
+        except UnknownModelFamily as err:
+            raise ConfigError(str(err)) from None
+        if family.canvas:
             _notes_canvas(dec, model, notes)
         else:
             _check(dec.decoder != "canvas",
-                   f"decoding.decoder=canvas decodes Diffusion-Gemma canvases; model={model.name} is not one")
+                   f"decoding.decoder=canvas decodes Diffusion-Gemma canvases; {describe(model)} is not one")
             # Canvases are Diffusion-Gemma's blocks: on any other model the key would be ignored.
             _check(dec.canvas_length == DecodingConfig.canvas_length,
                    f"decoding.canvas_length={dec.canvas_length}: only Diffusion-Gemma models decode canvases; "
-                   f"model={model.name} decodes blocks of decoding.block_length")
+                   f"{describe(model)} decodes blocks of decoding.block_length")
             for key in ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
                 _check(dec[key] is None, f"decoding.{key}={dec[key]} is a canvas-decoder knob (Diffusion-Gemma); "
-                                         f"model={model.name} does not read it")
+                                         f"{describe(model)} does not read it")
             if dec.max_denoising_steps is not None:
                 dec.steps = dec.max_denoising_steps
                 notes.append(f"decoding.steps set to decoding.max_denoising_steps={dec.max_denoising_steps}")
@@ -225,7 +229,7 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                f"scheduler.max_scheduled_tokens={sched.max_scheduled_tokens} must be >= decoding.block_length={bl}")
 
         # --- attention ---
-        if is_diffusion_gemma(model):
+        if family.canvas:
             _check_canvas_engine(cfg)
         if attn.backend == "auto":
             # FlashInfer has no fp32 kernels: exact-parity (float32) runs on CUDA use sdpa. Without
@@ -261,7 +265,7 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
         _check(not graphs or on_cuda,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
-        _check(not graphs or attn.backend in GRAPH_BACKENDS or is_diffusion_gemma(model),
+        _check(not graphs or attn.backend in GRAPH_BACKENDS or family.canvas,
                f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend={', '.join(GRAPH_BACKENDS)} "
                f"(got {attn.backend})")
         # Graph-size keys are read only by the graphs they size: set without those graphs, refuse.
@@ -314,10 +318,10 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
             _check(not graphs, "parallel.enable_dp_attention=true runs eagerly: each rank's token count changes every "
                                "step; set attention.use_decode_cuda_graph=false and attention.use_prefill_cuda_graph=false")
         # Async scheduling launches a forward from rank 0's results alone, and the canvas runner has no launch step.
-        async_ok = par.tp_size == 1 and not is_diffusion_gemma(model)
+        async_ok = par.tp_size == 1 and not family.canvas
         _check(sched.async_scheduling is not True or async_ok,
                f"scheduler.async_scheduling=true runs on one-GPU LLaDA2 engines only (got parallel.tp_size={par.tp_size}, "
-               f"model={model.name}); leave it null or set it false")
+               f"{describe(model)}); leave it null or set it false")
         if sched.async_scheduling is None:
             sched.async_scheduling = async_ok
         _check(par.distributed_backend in ("nccl", "gloo"),

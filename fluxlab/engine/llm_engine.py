@@ -485,9 +485,9 @@ class LLMEngine:
 
 def make_engine(cfg: DictConfig) -> LLMEngine:
     """The engine for a validated run config (tensor/expert parallel groups start their workers)."""
-    from fluxlab.engine.model_kind import is_diffusion_gemma
+    from fluxlab.models.registry import family_of_model
 
-    if is_diffusion_gemma(cfg.model):  # canvas decoding (canvas_engine.py)
+    if family_of_model(cfg.model).canvas:  # canvas decoding (canvas_engine.py)
         from fluxlab.engine.canvas_engine import CanvasEngine
 
         return CanvasEngine(cfg)

@@ -1,0 +1,120 @@
+"""The model-family registry: a checkpoint's config.json -> its family, and what fluxlab needs to know
+about that family before anything loads (its model and decoder groups, its presets, which config.json
+keys a checkpoint folder carries into the run config).
+
+Keyed like vLLM's (`model_executor/models/registry.py`) on config.json `architectures`, with
+`model_type` as the fallback; LLaDA2.0/2.1 and LLaDA2.2 share both, and a LLaDA2.2 config is the one
+with block routing (`expert_capacity` > 0, DESIGN §4b). Torch-free: config validation, checkpoint-folder
+detection (fluxlab/config/model_folder.py) and the engine factory read it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+
+class UnknownModelFamily(ValueError):
+    """A checkpoint folder no registered family reads (or no checkpoint folder at all)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    title: str  # for messages: "LLaDA2.2"
+    model_type: str  # config.json model_type
+    architectures: tuple[str, ...]  # config.json architectures
+    group: str  # the conf/model group a checkpoint folder of this family starts from
+    decoding: str  # the conf/decoding group its model groups select
+    presets: tuple[str, ...]  # model.preset values of this family's shapes
+    block_routing: bool = False  # config.json expert_capacity > 0 (LLaDA2.2)
+    canvas: bool = False  # decodes canvases, not blocks (fluxlab/engine/canvas_engine.py)
+    # config.json key -> run-config key, set from a checkpoint folder unless the user sets it
+    carry: Mapping[str, str] = field(default_factory=dict)
+
+    def reads(self, config: dict) -> bool:
+        """Whether a checkpoint with this config.json is of this family."""
+        named = bool(set(self.architectures) & set(config.get("architectures") or ())) or \
+            config.get("model_type") == self.model_type
+        return named and self.block_routing == bool(config.get("expert_capacity") or 0)
+
+
+LLADA2 = Family("llada2", "LLaDA2.0/2.1", "llada2_moe", ("LLaDA2MoeModelLM",), group="llada2_mini",
+                decoding="threshold",
+                presets=("tiny", "small", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"))
+LLADA22 = Family("llada22", "LLaDA2.2", "llada2_moe", ("LLaDA2MoeModelLM",), group="llada22_mini",
+                 decoding="threshold", presets=("tiny_llada22", "llada22_mini", "llada22_flash"), block_routing=True)
+DIFFUSION_GEMMA = Family("diffusion_gemma", "Diffusion-Gemma", "diffusion_gemma", ("DiffusionGemmaForBlockDiffusion",),
+                         group="diffusion_gemma", decoding="canvas",
+                         presets=("tiny_diffusion_gemma", "diffusion_gemma_26b_a4b"), canvas=True,
+                         carry={"canvas_length": "decoding.canvas_length"})
+
+FAMILIES: tuple[Family, ...] = (LLADA2, LLADA22, DIFFUSION_GEMMA)
+# A model config naming neither a checkpoint folder nor a preset: LLaDA2 (the embedded default's family).
+DEFAULT = LLADA2
+
+
+def supported() -> str:
+    """'llada2_moe (LLaDA2MoeModelLM: LLaDA2.0/2.1, LLaDA2.2), diffusion_gemma (...)' for messages."""
+    by_type: dict[str, tuple[tuple[str, ...], list[str]]] = {}
+    for family in FAMILIES:
+        by_type.setdefault(family.model_type, (family.architectures, []))[1].append(family.title)
+    return ", ".join(f"{t} ({'/'.join(arch)}: {', '.join(titles)})" for t, (arch, titles) in by_type.items())
+
+
+def read_config(folder) -> dict:
+    """config.json of a checkpoint folder; UnknownModelFamily when it has none."""
+    path = Path(str(folder)).expanduser() / "config.json"
+    if not path.is_file():
+        raise UnknownModelFamily(f"model.path={folder} has no config.json: a checkpoint folder holds config.json "
+                                 f"(model_type, architectures), the weights and the tokenizer")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UnknownModelFamily(f"model.path={folder}: config.json is not valid JSON ({err})") from None
+
+
+def family_of_config(config: dict, where: str = "config.json") -> Family:
+    for family in FAMILIES:
+        if family.reads(config):
+            return family
+    raise UnknownModelFamily(f"{where}: model_type={config.get('model_type')!r} (architectures="
+                             f"{config.get('architectures')}) is not a supported model family; supported: {supported()}")
+
+
+def family_of_folder(folder) -> Family:
+    return family_of_config(read_config(folder), f"model.path={folder} config.json")
+
+
+def family_of_preset(preset: Optional[str]) -> Optional[Family]:
+    return next((f for f in FAMILIES if preset in f.presets), None)
+
+
+def _folder(model) -> Optional[Path]:
+    """model.path when it is a folder on this machine (an HF id or a missing path is not)."""
+    if model.path is None:
+        return None
+    path = Path(str(model.path)).expanduser()
+    return path if path.is_dir() else None
+
+
+def family_of_model(model) -> Family:
+    """The family of a run config's `model` section: model.path's config.json when that folder is here,
+    else model.preset's family, else DEFAULT. UnknownModelFamily for a folder no family reads."""
+    folder = _folder(model)
+    if folder is not None:
+        return family_of_folder(model.path)
+    return family_of_preset(model.preset) or DEFAULT
+
+
+def describe(model) -> str:
+    """The model as messages name it: the folder and its model_type when it is read from one, else the group."""
+    folder = _folder(model)
+    if folder is not None and (folder / "config.json").is_file():
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except json.JSONDecodeError:
+            model_type = None
+        return f"model.path={model.path} (model_type {model_type})"
+    return f"model={model.name}"
