@@ -268,10 +268,11 @@ class Scheduler:
             if kv_written[j]:
                 request.num_cached_blocks = committed[j] + 1
                 self.block_manager.cache_blocks(request, committed[j], committed[j] + 1)
-            request.commit_block(committed[j], blocks[j])
-            if request.params.stop and request.finish_reason in (None, "length") and self.text_stops is not None:
-                if self.text_stops.apply(request):
-                    request.finish_reason = "stop"
+            request.commit_block(committed[j], blocks[j])  # cut at its first EOS / max_new_tokens
+            # The stop strings are searched in the text before that cut, so one found lies before
+            # EOS and length: the earliest of the three ends the request (an EOS in the block too).
+            if request.params.stop and self.text_stops is not None and self.text_stops.apply(request):
+                request.finish_reason = "stop"
             if stats.first_token_time is None:
                 stats.first_token_time = now
             if request.finish_reason is not None:

@@ -18,7 +18,11 @@ class StopStrings:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def apply(self, request: Request) -> bool:
-        """Cut request.output_ids / text at the first stop string; True when one was found."""
+        """Cut request.output_ids / text at the first stop string; True when one was found.
+
+        output_ids end with the token the stop string starts in (never before the ids already
+        reported); the text ends just before it. Called after commit_block cut the block at EOS /
+        max_new_tokens, so a stop string found lies before both."""
         from fluxlab.engine.detokenizer import IncrementalDetokenizer
 
         if request.detokenizer is None:
