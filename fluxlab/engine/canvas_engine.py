@@ -61,6 +61,21 @@ def eos_ids_of(model_dir: Optional[Path], text_config) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
 
 
+def _warn_on_canvas_mismatch(model_dir: Optional[Path], canvas_length: int) -> None:
+    """transformers' generate() denoises canvases of config.json's canvas_length; another
+    decoding.canvas_length is a valid knob but gives other tokens than the checkpoint's generate()
+    (a model group's canvas_length stays when model.path names another checkpoint)."""
+    import json
+
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return
+    own = json.loads((model_dir / "config.json").read_text()).get("canvas_length")
+    if own is not None and int(own) != canvas_length:
+        log.warning("decoding.canvas_length=%d but %s/config.json has canvas_length=%d: tokens will differ from "
+                    "transformers' generate() on this checkpoint; set decoding.canvas_length=%d for parity",
+                    canvas_length, model_dir, own, own)
+
+
 class CanvasEngine(LLMEngine):
     def __init__(self, cfg: DictConfig):  # noqa: D107 - mirrors LLMEngine.__init__ for this model
         from fluxlab.engine.diffusion_gemma_loader import load_diffusion_gemma
@@ -82,6 +97,7 @@ class CanvasEngine(LLMEngine):
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.mask_id, self.hidden_ids, self.special = None, (), None
         self.block_length = cfg.decoding.canvas_length  # validation made decoding.block_length the same
+        _warn_on_canvas_mismatch(model_dir, self.block_length)
         self.max_model_len = cfg.model.max_model_len
         self.kv_shapes = kv_shapes(self.model_config)
         # a prompt's left padding (canvas_request.py) can take one page more than max_model_len / L

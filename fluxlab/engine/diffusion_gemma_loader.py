@@ -2,9 +2,11 @@
 
 transformers ties the encoder's and the decoder's text weights (and lm_head to the embedding), so
 `save_pretrained` writes each shared tensor once, under either `model.encoder.language_model.` or
-`model.decoder.`; both prefixes map to the same fluxlab module. The exception is each layer's
+`model.decoder.`; both prefixes map to the same fluxlab module (a tensor stored under both must then
+hold the same values, as transformers ties only equal ones). The exception is each layer's
 `layer_scalar` buffer, which is not tied: the encoder's loads into `encoder_layer_scalar`.
-Vision weights are skipped.
+A config with tie_word_embeddings=false unties everything: the encoder's tensors load into the
+model's `encoder_*` copy and `lm_head.weight` into its own head. Vision weights are skipped.
 """
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from pathlib import Path
 import torch
 
 _TEXT_PREFIXES = ("model.encoder.language_model.", "model.decoder.")
-_SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+_SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 
 
-def read_text_config(path):
-    """transformers' DiffusionGemmaTextConfig from <path>/config.json (its own parsing, so per-layer
+def read_config(path):
+    """transformers' DiffusionGemmaConfig from <path>/config.json (its own parsing, so per-layer
     head dims, KV heads and RoPE come out exactly as transformers builds them)."""
     from transformers import DiffusionGemmaConfig
 
@@ -26,7 +28,11 @@ def read_text_config(path):
     model_type = json.loads(config_file.read_text()).get("model_type")
     if model_type != "diffusion_gemma":
         raise ValueError(f"{config_file}: model_type is {model_type!r}, expected 'diffusion_gemma'")
-    return DiffusionGemmaConfig.from_pretrained(str(path)).text_config
+    return DiffusionGemmaConfig.from_pretrained(str(path))
+
+
+def read_text_config(path):
+    return read_config(path).text_config
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -40,15 +46,20 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def fluxlab_name(checkpoint_name: str) -> str | None:
+def fluxlab_name(checkpoint_name: str, tied: bool = True) -> str | None:
     """Checkpoint tensor name -> DiffusionGemmaModel parameter name (None: not part of the text model)."""
     if checkpoint_name.startswith(_SKIPPED_PREFIXES):
         return None
+    if checkpoint_name == "lm_head.weight":
+        return "embed_tokens.weight" if tied else "lm_head.weight"
     for prefix in _TEXT_PREFIXES:
         if checkpoint_name.startswith(prefix):
             name = checkpoint_name[len(prefix):]
-            if prefix == _TEXT_PREFIXES[0] and name.endswith(".layer_scalar"):
-                name = name.removesuffix("layer_scalar") + "encoder_layer_scalar"
+            if prefix == _TEXT_PREFIXES[0]:
+                if name.endswith(".layer_scalar"):
+                    return name.removesuffix("layer_scalar") + "encoder_layer_scalar"
+                if not tied:
+                    return "encoder_" + name
             return name
     raise ValueError(f"unexpected tensor {checkpoint_name!r} in a diffusion_gemma checkpoint")
 
@@ -61,12 +72,15 @@ def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu")
     from fluxlab.engine.models.diffusion_gemma import DiffusionGemmaModel
 
     path = Path(path)
+    config = read_config(path)
+    tied = bool(config.tie_word_embeddings)
     with torch.device("meta"):
-        model = DiffusionGemmaModel(read_text_config(path))
+        model = DiffusionGemmaModel(config.text_config, tied=tied)
     model = model.to_empty(device=device).to(dtype)
     for name, inv_freq in _rope_buffers(model).items():
         setattr(model, name, inv_freq.to(device))  # registered buffer: replaced, kept fp32
-    for layer in model.layers:  # transformers' init value, used when a checkpoint omits them
+    for layer in model.layers if tied else list(model.layers) + list(model.encoder_layers):
+        # transformers' init value, used when a checkpoint omits them
         layer.layer_scalar.fill_(1.0)
         layer.encoder_layer_scalar.fill_(1.0)
     targets = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
@@ -74,12 +88,17 @@ def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu")
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = fluxlab_name(name)
-                if target is None or target in filled:
+                target = fluxlab_name(name, tied)
+                if target is None:
                     continue
                 if target not in targets:
                     raise ValueError(f"{file.name}: tensor {name!r} has no place in DiffusionGemmaModel")
                 tensor = f.get_tensor(name)
+                if target in filled:  # tied: transformers would not tie different values
+                    if not torch.equal(tensor.to(dtype).to(targets[target].device), targets[target]):
+                        raise ValueError(f"{name}: differs from the tensor it is tied to ({target}); the config "
+                                         "says tie_word_embeddings=true")
+                    continue
                 if tuple(tensor.shape) != tuple(targets[target].shape):
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)}, model expects "
                                      f"{tuple(targets[target].shape)}")

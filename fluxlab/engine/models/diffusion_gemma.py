@@ -9,7 +9,10 @@ decoder tie every text weight:
 - `forward(ids, positions, attn, is_canvas, soft_embeds)`: both in one flattened batch (the engine's).
 - `forward_canvas(ids, positions, attn, soft_embeds)`: canvas tokens only, static shapes, no host
   sync (the denoiser CUDA graphs, canvas_static.py).
-Both return hidden states; `compute_logits` applies the tied head and the final soft-cap.
+Both return hidden states; `compute_logits` applies the head and the final soft-cap.
+Weights: transformers ties the encoder's text weights to the decoder's and the head to the
+embedding unless the checkpoint's config says tie_word_embeddings=false, which unties all of
+them; then the encoder pass runs its own copy (`encoder_*`) and the head is `lm_head`.
 The model sees flattened tokens, absolute positions and an attention backend with
 `attn.forward(layer_idx, q, k, v)` (diffusion_gemma_attention.py); never requests or masks.
 The vision tower is not built: text-only serving ignores it (its weights are skipped on load).
@@ -56,36 +59,52 @@ class SelfConditioning(nn.Module):
 
 
 class DiffusionGemmaModel(nn.Module):
-    def __init__(self, text_config):
+    def __init__(self, text_config, tied: bool = True):
         super().__init__()
         check_text_config(text_config)
         c = text_config
         self.config = c
+        self.tied = tied
         self.layer_types = list(c.layer_types)
         self.sliding_window = c.sliding_window
         self.final_logit_softcapping = c.final_logit_softcapping
         self.embed_scale = c.hidden_size ** 0.5
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = self._text_layers(c)
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+        # untied checkpoints: the encoder's own text weights and a head of its own
+        self.encoder_embed_tokens = None if tied else nn.Embedding(c.vocab_size, c.hidden_size)
+        self.encoder_layers = None if tied else self._text_layers(c)
+        self.encoder_norm = None if tied else GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if tied else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        for layer_type, inv_freq in rope_inv_freqs(c).items():
+            self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def _text_layers(c) -> nn.ModuleList:
         layers = []
-        for i, layer_type in enumerate(self.layer_types):
+        for i, layer_type in enumerate(c.layer_types):
             per_layer = c.per_layer_config[i]  # full-attention layers carry their own head_dim / KV heads
             layers.append(GemmaDecoderLayer(
                 i, c.hidden_size, c.intermediate_size, c.num_attention_heads, per_layer.num_key_value_heads,
                 per_layer.head_dim, layer_type == "sliding_attention", c.num_experts, c.top_k_experts,
                 c.moe_intermediate_size, c.rms_norm_eps))
-        self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_conditioning = SelfConditioning(c.hidden_size, c.intermediate_size, c.rms_norm_eps)
-        for layer_type, inv_freq in rope_inv_freqs(c).items():
-            self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
+        return nn.ModuleList(layers)
 
     @property
     def layer_is_sliding(self) -> list[bool]:
         return [t == "sliding_attention" for t in self.layer_types]
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, encoder: bool | torch.Tensor = False) -> torch.Tensor:
+        """Scaled token embeddings; encoder: the pass (or a per-token mask), which matters untied."""
         w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        scale = torch.tensor(self.embed_scale, dtype=w.dtype)
+        if self.encoder_embed_tokens is None or (not isinstance(encoder, torch.Tensor) and not encoder):
+            return self.embed_tokens(ids) * scale
+        if not isinstance(encoder, torch.Tensor):
+            return self.encoder_embed_tokens(ids) * scale
+        return torch.where(encoder[:, None], self.encoder_embed_tokens(ids), self.embed_tokens(ids)) * scale
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """Expected embedding under softmax(logits), scaled like token embeddings."""
@@ -107,13 +126,18 @@ class DiffusionGemmaModel(nn.Module):
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attn, encoder: bool,
                 static: bool = False) -> torch.Tensor:
         rope = self._rope(positions, h.dtype)
-        for layer, layer_type in zip(self.layers, self.layer_types):
+        twins = self.encoder_layers if self.encoder_layers is not None else [None] * len(self.layers)
+        for layer, twin, layer_type in zip(self.layers, twins, self.layer_types):
             cos, sin = rope[layer_type]
-            h = layer(h, cos, sin, attn, encoder, static)
-        return self.norm(h)
+            h = layer(h, cos, sin, attn, encoder, static, twin)
+        if self.encoder_norm is None or (not isinstance(encoder, torch.Tensor) and not encoder):
+            return self.norm(h)
+        if not isinstance(encoder, torch.Tensor):
+            return self.encoder_norm(h)
+        return torch.where(encoder[:, None], self.encoder_norm(h), self.norm(h))
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        return self._layers(self.embed(ids), positions, attn, encoder=True)
+        return self._layers(self.embed(ids, encoder=True), positions, attn, encoder=True)
 
     def denoise(self, canvas_ids: torch.Tensor, positions: torch.Tensor, attn,
                 self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +153,7 @@ class DiffusionGemmaModel(nn.Module):
         token, so a mixed batch computes what the two passes compute apart. `soft_embeds` [canvas
         tokens, H] is the self-conditioning input (`soft_embed` of the previous step; zeros at a
         canvas' first step; None: all zeros)."""
-        h = self.embed(ids)
+        h = self.embed(ids, ~is_canvas)
         canvas = is_canvas.nonzero().squeeze(-1)
         if canvas.numel():
             embeds = h[canvas]
@@ -144,7 +168,7 @@ class DiffusionGemmaModel(nn.Module):
         covers every token (its rows at encoder tokens are not read). The self-conditioning MLP
         runs on every token and only canvas tokens keep it; every op is per token, so the values
         are `forward`'s."""
-        h = self.embed(ids)
+        h = self.embed(ids) if is_canvas is None else self.embed(ids, ~is_canvas)
         conditioned = self.self_conditioning(h, soft_embeds)
         if is_canvas is None:
             return self._layers(conditioned, positions, attn, encoder=False, static=True)
@@ -152,11 +176,11 @@ class DiffusionGemmaModel(nn.Module):
         return self._layers(h, positions, attn, encoder=~is_canvas, static=True)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The tied head's raw logits in the model dtype (the canvas step soft-caps them itself)."""
-        return F.linear(hidden, self.embed_tokens.weight)
+        """The head's raw logits in the model dtype (the canvas step soft-caps them itself)."""
+        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied head, then fp32 soft-capping cap * tanh(logits / cap), in place on the fp32 copy
+        """The head, then fp32 soft-capping cap * tanh(logits / cap), in place on the fp32 copy
         ([tokens, vocab]: 1 GiB a 256-token canvas at 262144 ids, so no extra copies)."""
         logits = self.head(hidden).float()
         cap = self.final_logit_softcapping
@@ -170,6 +194,9 @@ def rope_inv_freqs(text_config) -> dict[str, torch.Tensor]:
 
     rope = DiffusionGemmaTextRotaryEmbedding(text_config)
     for layer_type in set(text_config.layer_types):
+        if rope.rope_type.get(layer_type) in ("dynamic", "longrope"):  # transformers rescales these per forward
+            raise ValueError(f"diffusion_gemma: rope_parameters[{layer_type!r}].rope_type="
+                             f"{rope.rope_type[layer_type]!r} changes with the sequence length; not supported")
         if getattr(rope, f"{layer_type}_attention_scaling") != 1.0:
             raise ValueError(f"diffusion_gemma: rope_parameters[{layer_type!r}] scales attention; not supported")
     return {t: getattr(rope, f"{t}_inv_freq").clone() for t in set(text_config.layer_types)}

@@ -173,15 +173,36 @@ class GemmaDecoderLayer(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
-                encoder: bool | torch.Tensor, static: bool = False) -> torch.Tensor:
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+                encoder: bool | torch.Tensor, static: bool = False,
+                twin: "GemmaDecoderLayer | None" = None) -> torch.Tensor:
+        """encoder: this pass (True: encoder) or, in a mixed forward, a per-token mask. twin: the
+        encoder's own weights when the checkpoint does not tie them to the decoder's
+        (tie_word_embeddings=false); a mixed forward then runs both weight sets on every token and
+        keeps each token's own (exact per token; twice the FLOPs outside attention)."""
+        if twin is None or not isinstance(encoder, torch.Tensor):
+            layer = twin if twin is not None and encoder else self
+            o = attn.forward(self.layer_idx, *layer.qkv(x, cos, sin))
+            return layer.feed_forward(x, o, static) * self.scalar(encoder)
+        mask = encoder[:, None, None]
+        q, k, v = (torch.where(mask, e, d) for e, d in zip(twin.qkv(x, cos, sin), self.qkv(x, cos, sin)))
         o = attn.forward(self.layer_idx, q, k, v)
+        out = torch.where(encoder[:, None], twin.feed_forward(x, o, static), self.feed_forward(x, o, static))
+        return out * self.scalar(encoder)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def feed_forward(self, x: torch.Tensor, o: torch.Tensor, static: bool) -> torch.Tensor:
+        """The rest of the layer after attention (output `o`), before the layer scalar."""
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
         routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index,
                                                                  static))
-        x = x + self.post_feedforward_layernorm(dense + routed)
+        return x + self.post_feedforward_layernorm(dense + routed)
+
+    def scalar(self, encoder: bool | torch.Tensor) -> torch.Tensor:
+        """The pass's layer scalar (both live on the decoder's layer, tied or not)."""
         if isinstance(encoder, torch.Tensor):  # a mixed forward: per token, True = encoder pass
-            return x * torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
-        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
+            return torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
+        return self.encoder_layer_scalar if encoder else self.layer_scalar
