@@ -18,8 +18,9 @@ METRICS = ["output_throughput", "tokens_per_forward", "forwards"] + [
 
 
 def fluxlab(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    # Run folders go to $FLUXLAB_CACHE/runs/<command>/<time> (conf/hydra/default.yaml); mlruns/ to the cwd.
     done = subprocess.run([sys.executable, "-m", "fluxlab", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, "FLUXLAB_CACHE": str(cwd / "cache")})
     assert done.returncode == 0, f"fluxlab {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done
 
@@ -33,12 +34,12 @@ def runs_of(cwd: Path) -> pd.DataFrame:
 
 def results_of(cwd: Path) -> list[dict]:
     """The sweep-level results.jsonl (one line per job, in job order)."""
-    (path,) = cwd.glob("multirun/*/*/results.jsonl")
+    (path,) = cwd.glob("cache/runs/bench/*/results.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def requests_of(result: dict, cwd: Path) -> pd.DataFrame:
-    (path,) = [p for p in cwd.glob("multirun/*/*/*/requests.csv") if json.loads(
+    (path,) = [p for p in cwd.glob("cache/runs/bench/*/*/requests.csv") if json.loads(
         (p.parent / "results.jsonl").read_text().splitlines()[-1])["name"] == result["name"]]
     return pd.read_csv(path, keep_default_na=False).sort_values("index")
 
@@ -121,7 +122,7 @@ def test_server_started_once_for_per_request_key_sweep_and_stopped_at_the_end(on
     assert [r["server_reused"] for r in ok] == [False, True]
     with pytest.raises(ProcessLookupError):
         os.kill(ok[0]["server_pid"], 0)
-    assert "fluxlab ready" in (online_sweep / "multirun").glob("*/*/0/server.log").__next__().read_text()
+    assert "fluxlab ready" in (online_sweep / "cache" / "runs").glob("bench/*/0/server.log").__next__().read_text()
 
 
 def test_failing_job_is_recorded_failed_and_the_sweep_goes_on(online_sweep):

@@ -114,9 +114,8 @@ def test_wrong_type_and_unknown_key_fail_at_compose():
     with pytest.raises((ValidationError, ConfigCompositionException)) as err:
         compose("serve", ["decoding.threshold=high"])
     assert "threshold" in str(err.value) or "threshold" in str(err.value.__cause__)
-    with pytest.raises(ConfigCompositionException) as err:
+    with pytest.raises(ConfigError, match="unknown key 'engine.colour'"):
         compose("serve", ["engine.colour=red"])
-    assert "colour" in str(err.value) or "colour" in str(err.value.__cause__)
 
 
 RULES = [

@@ -214,4 +214,5 @@ def run_bench(cfg: DictConfig) -> dict:
         return {"status": status, "error": error}
     title = f"fluxlab bench ({cfg.bench.mode}, {cfg.workload.name})"
     print_table(f"{title}: {job.name}" if job.multirun else title, outcome.metrics)
+    print(f"files: {job.out_dir}", flush=True)  # the run folder is in the cache, not the cwd (conf/hydra/default.yaml)
     return {"status": status, **outcome.metrics}

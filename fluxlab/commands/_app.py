@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fluxlab.config import CONF_DIR, ConfigError, validate_config
+from fluxlab.config.overrides import check_overrides
 from fluxlab.config.schema import register_configs
 
 log = logging.getLogger("fluxlab")
@@ -31,7 +32,20 @@ def hydra_app(command: str, body: Callable[[DictConfig], object]) -> Callable[[]
             sys.exit(2)
 
     def main() -> None:
+        from hydra._internal.utils import get_args_parser
+
         register_configs()
+        args = get_args_parser().parse_args(sys.argv[1:])  # the parser @hydra.main uses next
+        try:
+            check_overrides(command, args.overrides)
+            if args.help:
+                from fluxlab.config.help import command_help
+
+                print(command_help(command, args.overrides))
+                return
+        except ConfigError as err:
+            print(f"fluxlab {command}: {err}", file=sys.stderr)
+            sys.exit(2)
         _run()
 
     return main

@@ -57,16 +57,20 @@ def rewrite_aliases(overrides: Sequence[str]) -> list[str]:
     return with_model_folder(out)
 
 
-def compose(command: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """The config `python -m fluxlab <command> <overrides>` would run with (before validation)."""
+def compose(command: str, overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """The config `python -m fluxlab <command> <overrides>` would run with (before validation); a key
+    the schema does not define is a ConfigError naming the closest keys (overrides.py)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from fluxlab.config.overrides import check_overrides
     from fluxlab.config.schema import register_configs
 
     register_configs()
+    overrides = rewrite_aliases(overrides)
+    check_overrides(command, overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=command):
-        return hydra_compose(config_name=command, overrides=rewrite_aliases(overrides))
+        return hydra_compose(config_name=command, overrides=overrides, return_hydra_config=return_hydra_config)
