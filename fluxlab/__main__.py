@@ -15,7 +15,7 @@ COMMANDS = {
 
 USAGE = "usage: python -m fluxlab <command> [hydra overrides]\n\ncommands:\n" + "".join(
     f"  {name:<11} {text}\n" for name, text in COMMANDS.items()
-) + "\n`python -m fluxlab <command> --help` shows the command's config groups; `--cfg job` prints the config.\n"
+) + "\n`python -m fluxlab <command> --help` lists the command's groups and every key with its value and meaning; `--cfg job` prints the config.\n"
 
 
 def main(argv: list[str] | None = None) -> None:

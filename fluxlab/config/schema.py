@@ -40,7 +40,7 @@ class EngineConfig:
 @dataclass
 class ModelConfig:
     name: str = key("tiny_llada2", "model name: the API's model field (server.served_model_name overrides)")
-    path: Optional[str] = key(None, "local checkpoint folder or HF id (fluxlab never downloads); null = the embedded tiny checkpoint")
+    path: Optional[str] = key(None, "local checkpoint folder or HF id (fluxlab never downloads); null = the preset's tiny checkpoint (tiny_*) or random weights")
     load_format: str = key("auto", "auto (safetensors from path) | random (random weights of `preset`, built on device)")
     preset: Optional[str] = key(None, "shapes for load_format=random: tiny, llada2_mini, llada2_flash, ...")
     max_model_len: int = key(2048, "longest prompt + output in tokens (a multiple of decoding.block_length)")
