@@ -10,6 +10,7 @@ embedded model a question from its task and checks the answer.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -175,3 +176,14 @@ def test_parallel_layouts_serve_the_default_model(parallel, tmp_path):
     finally:
         code = served.stop()
     assert code == 0, served.log()[-3000:]
+
+
+def test_online_bench_serves_and_scores_the_default_model(tmp_path):
+    """docs/bench.md's `bench bench=online`: bench starts `fluxlab serve` from its own resolved config
+    (another process), with the default model, and scores its answers."""
+    assert "python -m fluxlab bench bench=online " in (PROJECT_ROOT / "docs" / "bench.md").read_text()
+    argv = [sys.executable, "-m", "fluxlab", "bench", "bench=online", "workload.num_prompts=4", "tracking=none"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(r"│ completed\s+│\s+4 │", done.stdout), done.stdout
+    assert re.search(r"│ accuracy\s+│\s+1 │", done.stdout), done.stdout  # 4 of the 4 held-out problems
