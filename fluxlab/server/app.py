@@ -10,9 +10,10 @@ fluxlab extensions, all optional:
 - `usage.fluxlab` = {forwards, tokens_per_forward, blocks, preemptions}: `forwards` counts the
   model forwards that computed this request's blocks, the number a decoding knob (threshold,
   steps) moves. With the openai client: `response.usage.model_extra["fluxlab"]["forwards"]`.
-"""
-from __future__ import annotations
 
+No `from __future__ import annotations` here: the request bodies' models are built per served model
+inside build_app, and FastAPI resolves a string annotation in the module's globals only.
+"""
 import asyncio
 import json
 import logging
@@ -34,8 +35,8 @@ from fluxlab.server.metrics import ServerMetrics
 from fluxlab.server.openapi import error_responses, install_openapi
 from fluxlab.server.output_text import StreamText, final_text
 from fluxlab.server.prompts import PromptEncoder
-from fluxlab.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                     CompletionResponse, ModelList, ServerError, error_body)
+from fluxlab.server.protocol import (ChatCompletionResponse, CompletionResponse, ModelList, ServerError, error_body,
+                                     request_models, served_fields)
 
 log = logging.getLogger("fluxlab.server")
 
@@ -63,6 +64,8 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     prompts = PromptEncoder(tokenizer, async_engine.max_model_len, cfg.server.parse_special_tokens_in_chat)
     created = int(time.time())
     root = _model_root(cfg)
+    # The served model's decoder and knobs only: its OpenAPI document lists what it accepts.
+    CompletionRequest, ChatCompletionRequest = request_models(served_fields(cfg, vocab_size=len(tokenizer)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -4,15 +4,26 @@ Bodies accept unknown fields and ignore them (clients send `user`, ...), but a k
 wrong type or out of range is a 400 naming that field, and a known OpenAI field that would change
 the output but is not implemented (logit_bias, tools, response_format, echo, logprobs, penalties)
 is a 400 naming it, never silently dropped. Every bound is a plain JSON-schema keyword (minimum,
-maximum, minItems, ...), so the OpenAPI document is what the server enforces. Range checks that
-need the engine's config (steps <= block_length, prompt + max_tokens <= max_model_len) are left to
-`SamplingParams.resolve` in the engine, which raises `InvalidRequest` with the same `param`.
+maximum, minItems, ...), so the OpenAPI document is what the server enforces. Rules that relate
+fields, which JSON Schema cannot state (prompt + max_tokens <= max_model_len, Diffusion-Gemma's
+t_max > t_min), are the engine's (`InvalidRequest` with the same `param`); schemathesis is told about
+exactly those two (fluxlab/server/schemathesis_hooks.py).
+
+The request models are built per served model (`request_models(served_fields(cfg))`): its family's
+decoders and knobs are fields with their bounds, the OpenAI sampling fields it cannot vary take one
+value, and another family's knobs take only null, anything else being a 400 naming them. So a LLaDA2
+server's document never offers a value for `entropy_bound`, nor a Diffusion-Gemma one for `threshold`.
+(They are listed, as null, because a body may carry any other name: a document silent about them
+would allow every value.)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model,
+                      field_validator)
+from pydantic.json_schema import WithJsonSchema
 from pydantic.types import Strict
 
 from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob
@@ -22,9 +33,28 @@ from fluxlab.engine.request import SamplingParams
 # Strict finite numbers: "0.7" as a string is a client mistake, not something to coerce silently,
 # and JSON's 1e400 parses to inf, which no knob means.
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema's `integer` is a number without a fraction, so 1.0 is the integer 1 (and a client's
+    # JSON encoder may write it so); strings and booleans stay refused.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Integer(**field: Any) -> Any:
+    """A strict integer with its Field (bounds, description). The bounds sit inside the conversion so
+    the document says minimum/maximum, not pydantic's own ge/le."""
+    return Annotated[StrictInt, Field(**field), BeforeValidator(_integral)]
+
+
+def _number(kind: type, **field: Any) -> Any:
+    return Annotated[Float, Field(**field)] if kind is float else Integer(**field)
+
 # The OpenAI/vLLM seed is a signed 64-bit integer (the engine's bound, decoding/knobs.py).
 SEED_MIN, SEED_MAX = -_SEED_MAX - 1, _SEED_MAX
-TokenId = Annotated[StrictInt, Field(ge=0)]
+# Documented as OpenAPI's `format: int64`, not as minimum/maximum: FastAPI writes bounds as floats,
+# and 2**63 - 1 is no float (it rounds to 2**63, which the document would then allow).
+Int64 = Annotated[Integer(ge=SEED_MIN, le=SEED_MAX), WithJsonSchema({"type": "integer", "format": "int64"})]
 
 
 class ServerError(Exception):
@@ -44,43 +74,152 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class TextFormat(BaseModel):
+    """response_format's default, plain text: the one format served."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+
 def _unsupported(default: Any = None, **schema: Any) -> Any:
     """A field we do not implement: documented as accepting only its default."""
     return Field(default, description="not supported: any other value is a 400", **schema)
 
 
-def _knob_field(knob: Knob) -> Any:
+@dataclass(frozen=True)
+class ServedFields:
+    """The decoding fields of one served model's bodies (`served_fields`): they become its request
+    models and so its OpenAPI document."""
+
+    decoders: tuple[str, ...]  # the `decoder` values it runs
+    knobs: tuple[str, ...]  # knobs it reads, with the registry's bounds
+    pinned: dict[str, tuple[Any, str]] = field(default_factory=dict)  # knob -> (its one value, why)
+    refused: dict[str, str] = field(default_factory=dict)  # knob it does not read -> the 400's message
+    block_length: Optional[int] = None  # the bound of `steps` (None: the engine checks it)
+    vocab_size: Optional[int] = None  # the bound of a prompt's token ids (None: the server checks it)
+
+
+# The OpenAI sampling fields the canvas decoder cannot vary (it has its own temperature schedule).
+CANVAS_PINNED = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+def _decodes_canvases(model: Any) -> bool:
+    # Seam: the model-family registry (fluxlab/models/registry.py) says whether a family decodes
+    # canvases but not yet its decoders and knobs; until it does, they are written here.
+    from fluxlab.models.registry import family_of_model
+
+    return family_of_model(model).canvas
+
+
+def served_knobs(model: Any) -> tuple[str, ...]:
+    """The knobs a request to this model may carry: its own, and the ones it takes at one value."""
+    from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
+
+    if _decodes_canvases(model):
+        return (*CANVAS_KNOBS, *CANVAS_PINNED)
+    return tuple(k for k in KNOBS if k not in CANVAS_KNOBS)
+
+
+def served_fields(cfg: Any, vocab_size: Optional[int] = None) -> ServedFields:
+    """What the model of `cfg` takes per request (`served_knobs`, its decoders, their bounds)."""
+    name, knobs = cfg.model.name, served_knobs(cfg.model)
+    if _decodes_canvases(cfg.model):
+        why = "the canvas decoder samples with its own temperature schedule (t_min, t_max); leave it unset"
+        pinned = {k: (value, why) for k, value in CANVAS_PINNED.items()}
+        own = tuple(k for k in knobs if k not in pinned)
+        refused = {k: f"{k} is not a Diffusion-Gemma knob: {name} decodes with decoder=canvas, whose knobs are "
+                      f"{', '.join(own)}" for k in KNOBS if k not in knobs}
+        return ServedFields(("canvas",), own, pinned, refused, vocab_size=vocab_size)
+    refused = {k: f"{k} is a canvas-decoder knob (Diffusion-Gemma); {name} does not read it"
+               for k in KNOBS if k not in knobs}
+    return ServedFields(_runnable_decoders(cfg), knobs, refused=refused, block_length=cfg.decoding.block_length,
+                        vocab_size=vocab_size)
+
+
+def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
+    """The block decoders whose special tokens the model has (levenshtein_joint needs LLaDA2.2's
+    delete and split ids): the rule of the engine's `_missing_special_ids`, on the same ids."""
+    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loader import special_ids
+
+    try:
+        model_dir = resolve_model_dir(cfg.model)
+    except ValueError:
+        model_dir = None  # random weights without files: the preset says
+    special = special_ids(model_dir, preset=cfg.model.preset)
+    return tuple(name for name, decoder in DECODERS.items()
+                 if name != "canvas" and all(getattr(special, i) is not None for i in decoder.special_ids))
+
+
+# Every decoder and knob, no served model's limits: the models a config-free caller validates with.
+ANY_MODEL = ServedFields(tuple(DECODERS), tuple(KNOBS))
+
+
+def _knob_field(knob: Knob, block_length: Optional[int]) -> Any:
     """A knob's body field: its type and JSON-schema bounds, as the registry writes them."""
     bounds: dict[str, Any] = {}
     if knob.minimum is not None:
         bounds["gt" if knob.exclusive_minimum else "ge"] = knob.minimum
-    if knob.maximum is not None:
-        bounds["le"] = knob.maximum
-    kind = Float if knob.kind is float else StrictInt
-    return (Optional[Annotated[kind, Field(description=knob.help or None, **bounds)]], None)
+    maximum = block_length if knob.up_to_block_length else knob.maximum
+    if maximum is not None:
+        bounds["le"] = maximum
+    return (Optional[_number(knob.kind, description=knob.help or None, **bounds)], None)
 
 
-# Every decoding knob, with the bounds that need no engine config (steps <= block_length is the
-# engine's check, with the same `param`).
-_KnobFields = create_model("KnobFields", **{name: _knob_field(k) for name, k in KNOBS.items()})
+def _pinned_field(knob: Knob, value: Any, why: str) -> Any:
+    return (Optional[_number(knob.kind, ge=value, le=value)], Field(None, description=f"only {value}: {why}"))
 
 
-class DecodingFields(_KnobFields):
-    """Body fields shared by both endpoints. None = the server's config (decoding.*, model.*)."""
+def _decoding_fields(served: ServedFields) -> dict[str, Any]:
+    """create_model fields and validators of `served`'s decoder and knobs."""
+    fields: dict[str, Any] = {"decoder": (Optional[Literal[served.decoders]], None)}
+    for name, knob in KNOBS.items():
+        if name in served.pinned:
+            fields[name] = _pinned_field(knob, *served.pinned[name])
+        elif name in served.knobs:
+            fields[name] = _knob_field(knob, served.block_length)
+        else:  # another family's: documented as null only (bodies may carry any other name), refused below
+            why = served.refused.get(name, f"{name} is not supported")
+            fields[name] = (None, Field(None, description=f"{why}: only null"))
+
+    def refuse(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise ValueError(served.refused.get(info.field_name, f"{info.field_name} is not supported"))
+        return value
+
+    def pin(cls, value: Any, info) -> Any:
+        one, why = served.pinned[info.field_name]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != one:
+            raise ValueError(f"{info.field_name}={value!r}: {why}")
+        return value  # a wrong type is left to the type check
+
+    validators = {}
+    others = tuple(n for n in KNOBS if n not in served.knobs and n not in served.pinned)
+    if others:
+        validators["_refuse_other_knobs"] = field_validator(*others, mode="before")(refuse)
+    if served.pinned:
+        validators["_pinned_knobs"] = field_validator(*served.pinned, mode="before")(pin)
+    return {"__validators__": validators, **fields}
+
+
+class DecodingFields(BaseModel):
+    """Body fields shared by both endpoints (the decoder and its knobs are added per served model,
+    `request_models`). None = the server's config (decoding.*, model.*)."""
 
     model_config = ConfigDict(extra="ignore", strict=False)
 
     model: Optional[StrictStr] = None
-    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    max_tokens: Optional[Integer(ge=1)] = None
     n: Literal[1] = Field(1, description="only n=1: at temperature 0 block diffusion gives n identical answers")
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[Annotated[StrictStr, Field(min_length=1)],
                          Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)]]] = None
-    seed: Optional[Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
+    seed: Optional[Int64] = None
     # fluxlab extensions (DESIGN §3: per-request overrides of the decoding keys): the decoder names
-    # and every knob (temperature, top_p as in OpenAI) with its range come from the decoder registry.
-    decoder: Optional[Literal[tuple(DECODERS)]] = None  # type: ignore[valid-type]
+    # and every knob (temperature, top_p as in OpenAI) with its range come from the decoder registry,
+    # through `request_models`.
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False  # adds `token_ids` to each choice
     # OpenAI fields that would change the output; not implemented, so refused unless left at the default
@@ -88,15 +227,15 @@ class DecodingFields(_KnobFields):
     presence_penalty: Optional[Annotated[Float, Field(ge=0, le=0)]] = _unsupported()
     frequency_penalty: Optional[Annotated[Float, Field(ge=0, le=0)]] = _unsupported()
     repetition_penalty: Optional[Annotated[Float, Field(ge=1, le=1)]] = _unsupported()
-    response_format: Optional[dict[str, Any]] = _unsupported()
+    response_format: Optional[TextFormat] = _unsupported()  # {"type": "text"} is OpenAI's default
 
     @field_validator("n", mode="before")
     @classmethod
     def _single_choice(cls, value: Any) -> Any:
-        # Checked before the Literal so the message says why (and n=1.0 is not an n).
-        if not isinstance(value, int) or isinstance(value, bool) or value != 1:
+        # Checked before the Literal so the message says why (1.0 is 1, as in JSON Schema; true is not).
+        if not _is_default(value, (1,)):
             raise ValueError(f"n={value!r} is not supported; only n=1")
-        return value
+        return 1
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -116,7 +255,8 @@ class DecodingFields(_KnobFields):
     @field_validator("logit_bias", "response_format", mode="before")
     @classmethod
     def _no_objects(cls, value: Any, info) -> Any:
-        if value is not None and not (info.field_name == "logit_bias" and value == {}):
+        default = {} if info.field_name == "logit_bias" else {"type": "text"}
+        if value is not None and value != default:
             raise ValueError(f"{info.field_name} is not supported")
         return value
 
@@ -136,15 +276,35 @@ class DecodingFields(_KnobFields):
                               **{name: getattr(self, name) for name in KNOBS})
 
 
-NonEmptyIds = Annotated[list[TokenId], Field(min_length=1)]
+def _prompt_field(vocab_size: Optional[int] = None) -> Any:
+    """A string, or token ids (below vocab_size); a one-element list of either is accepted (what some
+    clients send)."""
+    ids = Annotated[list[Integer(ge=0, **({} if vocab_size is None else {"lt": vocab_size}))], Field(min_length=1)]
+    text = Annotated[StrictStr, Field(min_length=1)]
+    return (Union[text, ids, Annotated[list[text], Field(min_length=1, max_length=1)],
+                  Annotated[list[ids], Field(min_length=1, max_length=1)]],
+            Field(description="one prompt: text, or token ids; a list holding one of them is accepted too"))
 
 
-class CompletionRequest(DecodingFields):
-    # A string, or token ids; a one-element list of either is accepted (what some clients send).
-    prompt: Union[Annotated[StrictStr, Field(min_length=1)], NonEmptyIds,
-                  Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)],
-                  Annotated[list[NonEmptyIds], Field(min_length=1, max_length=1)]] = Field(
-        description="one prompt: text, or token ids; a list holding one of them is accepted too")
+def _ids_in_vocabulary(vocab_size: Optional[int]) -> Any:
+    """A validator naming the token ids out of range (the union's own error would name its first member)."""
+    def check(cls, value: Any) -> Any:
+        ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
+        if isinstance(ids, list) and ids and all(_json_kind(t) == "number" for t in ids):
+            bad = [t for t in ids if not (t >= 0 and (vocab_size is None or t < vocab_size))]
+            if bad:
+                where = "[0, inf)" if vocab_size is None else f"[0, {vocab_size})"
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary {where}")
+        return value
+
+    return field_validator("prompt", mode="before")(check)
+
+
+_PROMPT_TYPE, _PROMPT_FIELD = _prompt_field()
+
+
+class CompletionFields(DecodingFields):
+    prompt: _PROMPT_TYPE = _PROMPT_FIELD
     echo: Literal[False] = _unsupported(False)
     logprobs: None = _unsupported()
     best_of: Optional[Literal[1]] = _unsupported()
@@ -210,9 +370,9 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(DecodingFields):
+class ChatFields(DecodingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Integer(ge=1)] = None
     logprobs: Optional[Literal[False]] = _unsupported()
     top_logprobs: None = _unsupported()
     tools: None = _unsupported()
@@ -235,9 +395,25 @@ class ChatCompletionRequest(DecodingFields):
         return value
 
 
+def request_models(served: ServedFields) -> tuple[type[CompletionFields], type[ChatFields]]:
+    """The completion and chat request models of a served model (named as in its OpenAPI document)."""
+    completion = _decoding_fields(served)
+    completion["__validators__"]["_ids_in_vocabulary"] = _ids_in_vocabulary(served.vocab_size)
+    return (create_model("CompletionRequest", __base__=CompletionFields, prompt=_prompt_field(served.vocab_size),
+                         **completion),
+            create_model("ChatCompletionRequest", __base__=ChatFields, **_decoding_fields(served)))
+
+
+CompletionRequest, ChatCompletionRequest = request_models(ANY_MODEL)
+
+
 def _is_default(value: Any, defaults: tuple) -> bool:
-    # `type(...) is` so that 0 is not False and True is not 1
-    return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
+    # JSON Schema's equality: 0 is not false and true is not 1, but 1.0 is 1
+    return any(value is d or (_json_kind(value) == _json_kind(d) and value == d) for d in defaults)
+
+
+def _json_kind(value: Any) -> Any:
+    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value)
 
 
 # ---------------------------------------------------------------------- responses (documentation)

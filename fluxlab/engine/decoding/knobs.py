@@ -44,9 +44,14 @@ class Knob:
         if self.up_to_block_length:
             right = f"{prefix}block_length={block_length}]"
         else:
-            right = "inf)" if high is None else f"{high:g}]"
+            right = "inf)" if high is None else f"{high:g}]" if self.kind is float else f"{high}]"
         return f"{prefix}{self.name}={value!r} must be in {left}{low:g}, {right}"
 
+
+# Integer knobs end up in device tensors (the canvas schedule's step count is an int32 tensor, as in
+# transformers; seat tables are int64): a larger value would fail the step, not the request.
+INT32_MAX = 2**31 - 1
+MAX_DENOISING_STEPS = 256
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("threshold", float, 0.0, 1.0, help="accept masked positions whose confidence is above this"),
@@ -54,19 +59,25 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("editing_threshold", float, 0.0, 1.0,
          help="editing decoders: rewrite a token when the new argmax's confidence is above this (0 = whenever it differs)"),
     Knob("steps", int, 1, up_to_block_length=True, help="transfer-schedule steps per block"),
-    Knob("max_post_steps", int, 0, help="editing decoders: forwards allowed on a block without masks"),
+    Knob("max_post_steps", int, 0, INT32_MAX, help="editing decoders: forwards allowed on a block without masks"),
     Knob("temperature", float, 0.0, help="0 = greedy"),
     Knob("top_p", float, 0.0, 1.0, exclusive_minimum=True),
-    Knob("top_k", int, 0, help="0 = off"),
-    Knob("max_steps_per_block", int, 2,
+    Knob("top_k", int, 0, INT32_MAX, help="0 = off"),
+    Knob("max_steps_per_block", int, 2, INT32_MAX,
          help="levenshtein_joint: hard cap on forwards per block (a final round, then the commit)"),
     # Diffusion-Gemma's canvas decoder (decoding/canvas.py); null = the checkpoint's generation_config.json.
-    Knob("max_denoising_steps", int, 1, optional=True, help="canvas: denoising steps per canvas (N of the schedule)"),
+    # A compute budget, not only a range: without an early stop a canvas runs all N forwards, so a
+    # request could hold its seat for hours. 256 is 5x transformers' default (48) and one forward per
+    # position of the published 256-token canvas.
+    Knob("max_denoising_steps", int, 1, MAX_DENOISING_STEPS, optional=True,
+         help="canvas: denoising steps per canvas (N of the schedule)"),
     Knob("entropy_bound", float, 0.0, exclusive_minimum=True, optional=True,
          help="canvas: accept the lowest-entropy positions while their entropy sum minus the largest stays <= this"),
     Knob("t_min", float, 0.0, optional=True, help="canvas: temperature at the last denoising step"),
-    Knob("t_max", float, 0.0, optional=True, help="canvas: temperature at the first denoising step (> t_min)"),
-    Knob("stability_threshold", int, 0, optional=True,
+    # > 0 outright: it must exceed t_min >= 0 (transformers' rule), and the document can say that much
+    Knob("t_max", float, 0.0, exclusive_minimum=True, optional=True,
+         help="canvas: temperature at the first denoising step (> t_min)"),
+    Knob("stability_threshold", int, 0, INT32_MAX, optional=True,
          help="canvas: early stop needs the argmax canvas unchanged over this many steps"),
     Knob("confidence_threshold", float, 0.0, exclusive_minimum=True, optional=True,
          help="canvas: early stop needs the mean entropy below this"),
