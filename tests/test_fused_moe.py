@@ -204,7 +204,11 @@ def _check_shrunk_row_tiles_give_the_full_tiles_values(gen):
         assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5), (full - ref).abs().max().item()
         for shrink1, shrink2 in ((1, 0), (0, 1), (2, 2)):
             out = fused_moe(x, idx, wts, w_gate_up, w_down, config=MoEConfig(**base, SHRINK1=shrink1, SHRINK2=shrink2))
-            assert torch.equal(out, full), (num_tokens, shrink1, shrink2, (out - full).abs().max().item())
+            # The interpreter's tl.dot is numpy's matmul, whose summation order can follow the tile
+            # height (triton 3.9 + numpy 2.4: 2.4e-7 apart at 40 tokens); equal bits are a property of
+            # the GPU kernel, asserted by test_shrunk_row_tiles_give_the_full_height_bits_on_gpu.
+            torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6,
+                                       msg=lambda m: f"{(num_tokens, shrink1, shrink2)}: {m}")
 
 
 def _check_tma_weight_tiles_match_the_reference(gen):
