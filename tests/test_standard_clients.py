@@ -92,7 +92,7 @@ def test_aiperf_profiles_the_held_out_prompts_as_printed(server, tmp_path):
 def test_lm_eval_scores_the_held_out_split_as_printed(server, tmp_path):
     for module in ("lm_eval", "tenacity"):  # tenacity: lm-eval's [api] extra, for its API models
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed: pip install -e '.[test]' (lm-eval[api]==0.4.13)")
+            pytest.fail(f"{module} is not installed: the test extra has it (pip install -e '.[test]', lm-eval[api]==0.4.13)")
     script = client_script(doc_block("lm_eval --model local-chat-completions"), server.port)
     result = run_script(script.rstrip("\n") + " --limit 16\n", tmp_path)
     out = result.stdout + result.stderr
