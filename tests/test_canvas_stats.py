@@ -50,7 +50,24 @@ def _interpreter_checks() -> None:
         raw[1, 17] = 90.0  # one confident row: entropy near 0, where lse - E[x] would cancel
         temperature = torch.rand(rows, generator=g) * 0.6 + 0.4
         check(raw, temperature, softcap)
+    check_rows_do_not_depend_on_the_batch(3000, torch.float32, g)
     print("interpreter checks ok")
+
+
+def check_rows_do_not_depend_on_the_batch(vocab: int, dtype: torch.dtype, g, rows: tuple = (1, 4, 11)) -> None:
+    """Batch invariance: each row's four results are the same bits whatever rows share the call."""
+    from fluxlab.kernels.canvas_stats import canvas_stats
+
+    device = g.device
+    n = max(rows)
+    raw = (torch.randn(n, vocab, generator=g, device=device) * 6).to(dtype)
+    temperature = torch.rand(n, generator=g, device=device) * 0.4 + 0.4
+    noise = torch.empty(n, vocab, device=device).exponential_(1, generator=g)
+    alone = [canvas_stats(raw[:1], temperature[:1], 30.0, noise[:1], dtype)]
+    for r in rows[1:]:  # row 0 inside batches of r rows
+        alone.append(tuple(t[:1] for t in canvas_stats(raw[:r], temperature[:r], 30.0, noise[:r], dtype)))
+    for other in alone[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(alone[0], other))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")
@@ -69,6 +86,7 @@ def test_canvas_stats_on_the_26b_vocabulary():
     raw = (torch.randn(512, 262144, generator=g, device="cuda") * 4).to(torch.bfloat16)
     temperature = torch.rand(512, generator=g, device="cuda") * 0.4 + 0.4
     check(raw, temperature, 30.0, sample_mismatches=2)
+    check_rows_do_not_depend_on_the_batch(262144, torch.bfloat16, g, rows=(1, 256, 1024))  # the runner calls it with up to 4 canvases
 
 
 @pytest.mark.gpu

@@ -18,18 +18,25 @@ probabilities written once in the model dtype; soft-cap and temperature are appl
 
 Values agree with the torch path to fp32 rounding, not bit for bit (tanh from exp, another
 reduction order), which is why CPU keeps the torch ops.
+
+Batch invariance: a position's numbers must not depend on how many rows share the call, so each
+row's vocabulary is cut into a number of slices that depends on the vocabulary alone (`SPLITS`),
+and the slices are combined by elementwise ops in slice order (`_combine`): no torch reduction,
+whose blocking may change with the number of rows.
 """
 from __future__ import annotations
 
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
-from fluxlab.kernels.vocab_stats import combine_parts, split_plan
 
 if HAVE_TRITON:
     from fluxlab.kernels.vocab_stats import lane_finish, lane_update, lanes_start
 
 BLOCK = 2048
+# Slices of a row's vocabulary, fixed (batch invariance). 4 x 65536 at 262144 ids: a 256-position
+# canvas alone is 1024 programs (~8 per SM of an H200).
+SPLITS = 4
 
 if HAVE_TRITON:
     @triton.jit
@@ -107,7 +114,9 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     raw = raw.contiguous()
     rows, vocab = raw.shape
     assert rows * vocab < 2**31, "int32 offsets: chunk the rows (the runner's step_elements does)"
-    splits, chunk = split_plan(rows, vocab, BLOCK)
+    chunk = -(-vocab // SPLITS)
+    chunk = -(-chunk // BLOCK) * BLOCK
+    splits = -(-vocab // chunk)
     device = raw.device
     cap = float(softcap) if softcap else 1.0
     temperature = temperature.contiguous()
@@ -116,8 +125,7 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=device)
     _max_kernel[(rows, splits)](raw, raw.stride(0), vocab, chunk, temperature, cap, 1.0 / cap, part_max, part_sum,
                                 part_idx, splits, HAS_CAP=bool(softcap), BLOCK=BLOCK)
-    _, lse, argmax = combine_parts(part_max, part_sum, part_idx)  # the lowest index wins ties
-    lse, argmax = lse.contiguous(), argmax.long()
+    lse, argmax = _combine_max(part_max, part_sum, part_idx)  # the lowest index wins ties
     probs = torch.empty(rows, vocab, dtype=probs_dtype, device=device)
     part_entropy = torch.empty(rows, splits, dtype=torch.float32, device=device)
     part_ratio = torch.empty_like(part_entropy)
@@ -125,6 +133,26 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     _probs_kernel[(rows, splits)](raw, raw.stride(0), vocab, chunk, temperature, cap, 1.0 / cap, lse, probs,
                                   part_entropy, noise.contiguous(), part_ratio, part_sample, splits,
                                   HAS_CAP=bool(softcap), BLOCK=BLOCK)
-    best = part_ratio.argmax(dim=-1)  # first slice with the largest ratio
-    sample = part_sample.gather(1, best[:, None]).squeeze(1).long()
-    return argmax, part_entropy.sum(dim=-1), probs, sample
+    sample, entropy = part_sample[:, 0].long(), part_entropy[:, 0]
+    best = part_ratio[:, 0]
+    for s in range(1, splits):  # first slice with the largest ratio; entropy summed in slice order
+        later = part_ratio[:, s] > best
+        sample = torch.where(later, part_sample[:, s].long(), sample)
+        best = torch.maximum(best, part_ratio[:, s])
+        entropy = entropy + part_entropy[:, s]
+    return argmax, entropy, probs, sample
+
+
+def _combine_max(part_max: torch.Tensor, part_sum: torch.Tensor, part_idx: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [N] fp32, first index of the max [N] int64) of whole rows from [N, splits]
+    slices, by elementwise ops in slice order (`combine_parts` without its reductions)."""
+    top, idx = part_max[:, 0], part_idx[:, 0].long()
+    for s in range(1, part_max.shape[1]):
+        later = part_max[:, s] > top  # ties keep the earlier slice: the lowest index
+        idx = torch.where(later, part_idx[:, s].long(), idx)
+        top = torch.maximum(top, part_max[:, s])
+    total = part_sum[:, 0] * torch.exp(part_max[:, 0] - top)
+    for s in range(1, part_max.shape[1]):
+        total = total + part_sum[:, s] * torch.exp(part_max[:, s] - top)
+    return (top + torch.log(total)).contiguous(), idx

@@ -14,7 +14,8 @@ host synchronisation, so it can be captured in a CUDA graph:
    sentinel T*K in padding rows), expert_ids (the expert of every BLOCK_M row block) and the number
    of used rows (`total`, on device). Slots keep their original order inside an expert.
 2. `_gate_up_kernel`: grouped GEMM x[tok] @ w_gate_up[e]^T, gate and up tiles for the same
-   N-columns in two accumulators, SiLU(gate)*up in the epilogue -> inter [rows, I] (x.dtype).
+   N-columns in two accumulators, act(gate)*up in the epilogue -> inter [rows, I] (x.dtype); act is
+   SiLU (LLaDA2) or gelu-tanh (Diffusion-Gemma, `activation="gelu_tanh"`).
 3. `_down_kernel`: grouped GEMM inter @ w_down[e]^T, times the routing weight (fp32) in the
    epilogue, stored per token-slot -> [T*K, H] (x.dtype).
 4. `_combine_kernel`: the K slots of each token summed in fp32 (k = 0, 1, ... in order) and rounded
@@ -188,7 +189,7 @@ if HAVE_TRITON:
     def _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                       stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr):
         # rows row0 .. row0+BLOCK_M-1 (expert *e_ptr), columns pid_n*BLOCK_N.. of gate and of up.
         # TMA: the weight tiles come through w_desc (w as [E*2I, H]); columns past I read the next
         # rows (or zeros past the end), only ever into output columns the store masks.
@@ -235,7 +236,11 @@ if HAVE_TRITON:
             if not TMA:
                 bg_ptrs += BLOCK_K * stride_wk
                 bu_ptrs += BLOCK_K * stride_wk
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if ACT == 1:  # gelu, tanh approximation (Gemma's gelu_pytorch_tanh), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            y = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+            h = 0.5 * acc_g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * acc_u
+        else:  # SiLU (LLaDA2)
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < I))
 
@@ -245,7 +250,7 @@ if HAVE_TRITON:
                         stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, TMA: tl.constexpr):
+                        IEEE: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(I, BLOCK_N)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -258,23 +263,23 @@ if HAVE_TRITON:
             if SHRINK_M == 0:
                 _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, ACT)
             elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < N:
                 _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, ACT)
             elif SHRINK_M == 1:
                 _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, ACT)
             elif tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) < N:
                 _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                              BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, ACT)
             else:
                 _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
                               stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                              BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                              BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, ACT)
 
     @triton.jit
     def _down_rows(a_ptr, w_ptr, w_desc, out_ptr, topk_weight_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, H, I,
@@ -379,12 +384,15 @@ if HAVE_TRITON:
 
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
               w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None,
-              foreign_slots: bool = False, align=None, adds: tuple = ()) -> torch.Tensor:
+              foreign_slots: bool = False, align=None, adds: tuple = (), activation: str = "silu") -> torch.Tensor:
     """x [T, H], topk_idx [T, K] int, topk_weight [T, K] fp32, w_gate_up [E, 2I, H], w_down [E, H, I]
     -> [T, H] in x.dtype. CUDA-graph capturable (no host sync, shapes only from input shapes).
 
     adds: up to two [T, H] tensors of x.dtype added to the result in order, each rounded as torch's
     add (`((moe + adds[0]) + adds[1])`), in the combine's pass.
+
+    activation: the gate's nonlinearity, "silu" (LLaDA2's SwiGLU) or "gelu_tanh" (Diffusion-Gemma's
+    GeGLU, torch's gelu(approximate="tanh")), applied to the fp32 accumulator in the epilogue.
 
     foreign_slots: some ids are E (expert parallel: routed to another rank). The align step never
     places them, so no GEMM work is spent on them, and they add zero to the combine.
@@ -410,9 +418,12 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
     align = align or moe_align
     sorted_ids, expert_ids, total = align(topk_idx, num_experts, cfg.BLOCK_M)
-    inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg)
+    inter_buf = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, top_k, cfg, activation)
     slot_out = down_stage(inter_buf, w_down, topk_weight, sorted_ids, expert_ids, total, cfg, foreign_slots)
     return combine_slots(slot_out, top_k, adds, out_dtype)
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT
 
 
 # Columns and warps a combine program. (512|1024|2048, 4|8) all ran 23.1-25.4 us at 2048 tokens on the
@@ -455,9 +466,11 @@ def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
 
 
 def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                  total: torch.Tensor, top_k: int, cfg: MoEConfig) -> torch.Tensor:
-    """silu(gate) * up of every aligned row -> [rows, I] in x.dtype (kernel 1; a stage of its own so
-    the tuner can time it alone)."""
+                  total: torch.Tensor, top_k: int, cfg: MoEConfig, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up of every aligned row -> [rows, I] in x.dtype (kernel 1; a stage of its own so
+    the tuner can time it alone); act: "silu" or "gelu_tanh"."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation {activation!r}; one of {sorted(ACTIVATIONS)}")
     num_tokens, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     bm = cfg.BLOCK_M
@@ -470,7 +483,7 @@ def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Te
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK1,
         EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, TMA=bool(cfg.TMA1),
-        num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+        ACT=ACTIVATIONS[activation], num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
     return inter_buf
 
 

@@ -105,8 +105,8 @@ class GemmaExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
                 static: bool = False) -> torch.Tensor:
         """static: no host sync and no data-dependent shape (a CUDA graph holds the forward)."""
-        if _grouped_mm_ok(x):
-            return self._grouped(x, weights, index)
+        if _fused_ok(x):
+            return self._fused(x, weights, index)
         if static:
             return self._every_expert(x, weights, index)
         out = torch.zeros_like(x)
@@ -117,21 +117,15 @@ class GemmaExperts(nn.Module):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """CUDA bf16 (speed work): (token, slot) pairs sorted by expert, two grouped GEMMs. Sums in
-        another order than transformers' loop, so bf16 rounding differs; fp32 parity uses the loop."""
-        num_tokens, top_k = index.shape
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)
-        # expert e's pairs end where the sorted ids pass e (bincount would read its size back to the host)
-        experts = torch.arange(self.gate_up_proj.shape[0], device=flat.device)
-        offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
-        gate, up = torch._grouped_mm(x[order // top_k], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, -1)
-        ys = torch._grouped_mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(1, 2), offs=offs)
-        out = torch.empty_like(ys)
-        out[order] = ys
-        return (out.view(num_tokens, top_k, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """CUDA bf16/fp16: the fused Triton MoE with gelu-tanh (sync-free, graph-capturable). Sums in
+        another order than transformers' loop (fp32 over the slots, rounded once), so bf16 rounding
+        differs; fp32 parity uses the loop. One tile config for every token count
+        (`CANVAS_MOE_CONFIG`): a token's output must not depend on how many others share the batch."""
+        from fluxlab.kernels.fused_moe import fused_moe
 
+        return fused_moe(x, index, weights, self.gate_up_proj, self.down_proj, config=canvas_moe_config(),
+                         activation="gelu_tanh")
 
     def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The loop's sums with static shapes: every expert runs on every token and adds its output
@@ -147,9 +141,28 @@ class GemmaExperts(nn.Module):
         return out
 
 
-def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+def _fused_ok(x: torch.Tensor) -> bool:
+    from fluxlab.kernels.fused_moe import HAVE_TRITON
+
+    return HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def canvas_moe_config():
+    """The fused MoE's tile config for this model, whatever the token count (batch invariance: the
+    LLaDA2 path's per-token-count table would change a token's K-chunking with the batch). 26B-A4B:
+    H=2816 = 22 x 128, I=704 = 11 x 64. BLOCK_M 64 shrinking to 32/16 rows keeps the weight reads of
+    a batch-1 canvas (~16 rows an expert) near one pass and reuses each strip 4x at batch 16;
+    FLUXLAB_FUSED_MOE_CONFIG overrides fields (device sweeps)."""
+    import dataclasses
+    import json
+    import os
+
+    from fluxlab.kernels.fused_moe import MoEConfig
+
+    cfg = MoEConfig(BLOCK_M=64, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3, BLOCK_N2=128, BLOCK_K2=64,
+                    WARPS2=4, STAGES2=3, GROUP_M=8, SHRINK1=2, SHRINK2=2)
+    env = os.environ.get("FLUXLAB_FUSED_MOE_CONFIG")
+    return dataclasses.replace(cfg, **json.loads(env)) if env else cfg
 
 
 class GemmaDecoderLayer(nn.Module):
