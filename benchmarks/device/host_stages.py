@@ -1,5 +1,5 @@
 """Per-stage host time of steady engine steps on the GPU, no profiler: wall-clock wrappers around each stage
-(device script of docs/benchmarks.md §16; run from the repository root: python3 docs/device_host_stages.py BS POLICY [backend])."""
+(docs/benchmarks.md "Host time"; run from the repository root: python3 benchmarks/device/host_stages.py BS POLICY [backend])."""
 import sys, time, statistics, collections, functools
 import torch
 from fluxlab.config import compose, validate_config

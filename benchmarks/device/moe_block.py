@@ -1,8 +1,8 @@
 """The LLaDA2.0-mini MoE block (router + routed experts + shared expert + add) under CUDA-graph replay, ms per
 call at 512-4096 tokens: the block as it is, the shared expert as a 257th expert of the fused kernel (weight 1),
 the shared expert on a side stream, the routed part alone, the shared expert alone; plus the largest difference
-of each variant's output from the block's. docs/benchmarks.md §20 has the numbers of session 9's call A (before
-the combine pass took the adds). Run on a GPU from the repository root: python3 docs/device_moe_block.py [TOKENS]"""
+of each variant's output from the block's. docs/benchmarks.md "Kernels" has the numbers (measured
+before the combine pass took the adds). Run on a GPU from the repository root: python3 benchmarks/device/moe_block.py [TOKENS]"""
 import sys, torch
 from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeSparseMoeBlock
 from fluxlab.engine.layers.moe import StackedExperts

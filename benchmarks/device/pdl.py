@@ -3,7 +3,7 @@
 A chain of CHAIN row-norm kernels (each reads the previous one's output), captured in one CUDA graph,
 replayed: us per kernel without PDL, with launch_pdl + gdc_wait first, and with gdc_launch_dependents
 after the loads as well; the outputs must be equal bit for bit. A matmul between two kernels checks
-that a PDL launch after a non-PDL kernel still waits for it. Run on the device: python3 docs/device_pdl.py
+that a PDL launch after a non-PDL kernel still waits for it. Run on the device: python3 benchmarks/device/pdl.py
 """
 import torch
 import triton

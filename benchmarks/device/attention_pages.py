@@ -1,7 +1,7 @@
 """us per call of kernels/block_attention.py at LLaDA2.0-mini's attention shapes (16 query heads, 4 KV
 heads of 128, blocks of 32), 20 calls in one CUDA graph, for each pages_per_step; the tree on PYTHONPATH
 decides (one without pages_per_step times its one kernel). Run on the device:
-python3 docs/device_attention_pages.py LABEL
+python3 benchmarks/device/attention_pages.py LABEL
 """
 import inspect
 import sys

@@ -1,7 +1,7 @@
 """GPU kernel time per steady step of LLaDA2.0-mini shapes (random bf16, block 32, steps 8), by step kind
 (decode / commit) and kernel group, from torch.profiler's kernel records (CUDA-graph replays included).
 It runs the synchronous loop (scheduler.async_scheduling=false) so each step's kernels lie inside its
-window. Run from the repository root on a GPU: python3 docs/device_kernel_profile.py BS [backend [top]]"""
+window. Run from the repository root on a GPU: python3 benchmarks/device/kernel_profile.py BS [backend [top]]"""
 import collections, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function

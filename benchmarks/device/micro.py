@@ -2,7 +2,7 @@
 decode / commit forward), each captured 20 times in one CUDA graph and replayed: router top-k (per warps),
 MoE align (scan, chunked per chunk size), silu * up, QK-norm + RoPE with the KV write, the shared
 expert's and router's GEMMs apart and stacked, and the greedy vocabulary statistics. Run from a tree's root
-(this one or a baseline's; what the tree lacks is skipped): python3 docs/device_micro.py LABEL"""
+(this one or a baseline's; what the tree lacks is skipped): python3 benchmarks/device/micro.py LABEL"""
 import importlib.util, sys
 import torch
 import torch.nn.functional as F
