@@ -26,7 +26,7 @@ from fluxlab.engine.canvas_runner import CanvasRunner, kv_shapes
 from fluxlab.engine.decoding.canvas import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
 from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
-from fluxlab.engine.scheduler import Scheduler
+from fluxlab.engine.scheduler import ScheduledBatch, Scheduler
 from fluxlab.engine.stop import StopStrings
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class CanvasEngine(LLMEngine):
     def _profile_canvas_pages(self, sliding_bytes: int) -> int:
         """Pages in (gpu_memory_utilization - safety reserve) of the card after the weights and a
         canvas step at max_num_seqs rows (its logits dominate: rows x canvas x vocab in fp32)."""
-        from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+        from fluxlab.engine.scheduler import ScheduledRow
 
         eng, L = self.cfg.engine, self.block_length
         rows = self.cfg.scheduler.max_num_seqs
@@ -171,6 +171,10 @@ class CanvasEngine(LLMEngine):
         log.info("KV profile: peak %.2f GiB with weights, budget %.2f GiB -> %d pages", peak / 2**30,
                  budget / 2**30, pages)
         return pages
+
+    def _sampler_states(self, batch: ScheduledBatch) -> list[tuple[CanvasRequest, object]]:
+        """Every denoising row draws (its multinomial, its renoise canvas): their canvas states."""
+        return [(r, r.sampler_state()) for r in batch.decode_requests]
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> CanvasRequest:
         if params.decoder != "canvas":

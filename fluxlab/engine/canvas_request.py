@@ -30,3 +30,13 @@ class CanvasRequest(Request):
         self.knobs = knobs
         self.canvas: Optional[CanvasState] = None  # created on the device by the canvas runner
         self.sliding_pages: list[int] = []  # sliding layers' ring (canvas_pages.py): block b on [b % len]
+
+    def sampler_state(self) -> Optional[tuple]:
+        """The canvas state before a step (its generator, canvas and stopping history); None: no canvas yet."""
+        return None if self.canvas is None else self.canvas.snapshot()
+
+    def restore_sampler_state(self, state: Optional[tuple]) -> None:
+        if state is None:
+            self.canvas = None
+        else:
+            self.canvas.restore(state)

@@ -393,6 +393,7 @@ class LLMEngine:
             self._drop_following()
             return outputs
         runner = self.runner
+        draws = self._sampler_states(batch)
         try:
             step_output, before = self._run(batch, started)
             results_at = runner.results_at
@@ -410,6 +411,8 @@ class LLMEngine:
             self._drop_following()
             if not self.isolate_failures:
                 raise
+            for request, state in draws:  # every row, not only the failing one: each retry draws as before
+                request.restore_sampler_state(state)
             outputs += self._run_rows_alone(batch, err)
         for out in outputs:
             self.total_generated_tokens += len(out.new_token_ids)
@@ -417,6 +420,14 @@ class LLMEngine:
                 self.requests.pop(out.request_id, None)
         self.total_step_seconds += time.perf_counter() - started
         return outputs
+
+    def _sampler_states(self, batch: ScheduledBatch) -> list[tuple[Request, object]]:
+        """(request, its draws' state) of the batch's sampling rows before the step: a failed step
+        puts every one back before the rows are retried alone, so a seeded request beside a failing
+        one draws what it draws alone. (Greedy rows draw nothing; the seats say which rows sample.)"""
+        if not batch.seats.full_logits[batch.slots].any():
+            return []
+        return [(r, r.sampler_state()) for r in batch.requests if r.params.temperature > 0]
 
     def _run(self, batch: ScheduledBatch, started: float) -> tuple[Optional[StepOutput], float]:
         """The batch's forward and decode step, and the host seconds before its launch (none when the

@@ -126,6 +126,18 @@ class Request:
     def decoder_columns(self) -> dict[str, np.ndarray]:
         return self._decoder_columns if self._seats is None else self._seats.decoder_columns(self.slot)
 
+    # --- random draws ---
+    def sampler_state(self) -> Optional[torch.Tensor]:
+        """Where this request's draws stand (None: it has not drawn yet). A failed step puts it back
+        (`restore_sampler_state`), so the retry draws the numbers the request would draw alone."""
+        return None if self.generator is None else self.generator.get_state()
+
+    def restore_sampler_state(self, state: Optional[torch.Tensor]) -> None:
+        if state is None:
+            self.generator = None  # seeded again at its next draw
+        else:
+            self.generator.set_state(state)
+
     # --- geometry ---
     def block_range(self, block: int) -> tuple[int, int]:
         return block * self.block_length, (block + 1) * self.block_length
