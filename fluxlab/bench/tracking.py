@@ -26,8 +26,18 @@ def store_uri(tracking: DictConfig) -> str:
     return tracking.tracking_uri or f"sqlite:///{Path.cwd() / 'mlruns' / 'mlflow.db'}"
 
 
-def artifact_location(tracking: DictConfig) -> str:
-    return tracking.artifact_location or (Path.cwd() / "mlruns" / "artifacts").as_uri()
+def artifact_location(tracking: DictConfig) -> Optional[str]:
+    """Where a new experiment keeps its artifacts; None lets a tracking server choose (its
+    --artifacts-destination, which it proxies, so jobs on any host can write there)."""
+    if tracking.artifact_location:
+        return tracking.artifact_location
+    if _is_server(store_uri(tracking)):
+        return None
+    return (Path.cwd() / "mlruns" / "artifacts").as_uri()
+
+
+def _is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
 
 
 def client(tracking: DictConfig) -> Any:
@@ -121,13 +131,47 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
 
 def start_run(tracking: DictConfig, run_name: Optional[str], tags: Mapping[str, str],
               parent_run_id: Optional[str] = None) -> str:
-    """A new RUNNING run (a child of `parent_run_id` when given); returns its id."""
+    """A new RUNNING run (a child of `parent_run_id` when given); returns its id.
+
+    A child may run in another process or on another host than its parent: it must find the parent
+    in its store (else it would be an orphan in a store nobody reports on), and it takes the
+    parent's command line (its own is the launcher's worker)."""
     mlflow_client = client(tracking)
     all_tags = dict(tags)
     if parent_run_id:
+        parent = _parent_run(mlflow_client, tracking, parent_run_id)
         all_tags[PARENT_TAG] = parent_run_id
+        if "command" in parent.data.tags:
+            all_tags["command"] = parent.data.tags["command"]
     run = mlflow_client.create_run(experiment_id(mlflow_client, tracking), run_name=run_name, tags=all_tags)
     return run.info.run_id
+
+
+def _parent_run(mlflow_client: Any, tracking: DictConfig, run_id: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow_client.get_run(run_id)
+    except MlflowException as err:
+        raise ValueError(
+            f"the sweep's parent run {run_id} is not in this job's MLflow store {store_uri(tracking)}: jobs on "
+            f"other hosts need tracking.tracking_uri=http://HOST:PORT (an `mlflow server`) or a store path "
+            f"they share") from err
+
+
+def child_runs(tracking: DictConfig, parent_run_id: str) -> list[Any]:
+    """Every run whose parent is `parent_run_id`, in any state."""
+    from mlflow.entities import ViewType
+
+    mlflow_client = client(tracking)
+    where, runs, token = f"tags.`{PARENT_TAG}` = '{parent_run_id}'", [], None
+    while True:
+        page = mlflow_client.search_runs([experiment_id(mlflow_client, tracking)], where,
+                                         run_view_type=ViewType.ALL, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
 
 
 def _chunks(items: list, size: int) -> Iterable[list]:
