@@ -71,9 +71,9 @@ def _time(fn, repeats: int) -> float:
     return 1e3 * (time.perf_counter() - start) / repeats
 
 
-def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
-    """ms of a denoising step, its forward alone and a commit, for `batch` rows of one canvas each."""
-    from fluxlab.engine.canvas_attention import build_canvas_metadata
+def step_batches(engine, batch: int, prompt_tokens: int):
+    """(decode, commit, commit_denoise) ScheduledBatches of `batch` rows of one canvas each, whose
+    prompt K/V counts as cached: a denoising step, a commit alone, and a commit + denoise step."""
     from fluxlab.engine.canvas_request import CanvasRequest
     from fluxlab.engine.decoding.canvas import CanvasKnobs
     from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
@@ -93,13 +93,22 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
         request.num_cached_blocks = request.active_block  # the prompt's K/V counts as cached
         decode_rows.append(ScheduledRow(request, request.active_block, 1, True))
         commit_rows.append(ScheduledRow(request, request.active_block, 1, False))
-    decode = ScheduledBatch.of_rows(decode_rows, L)
-    commit = ScheduledBatch.of_rows(commit_rows, L)
+        start, end = request.block_range(request.active_block)
+        request.tokens[start:end] = 1  # the committed canvas' tokens the commit forward reads
     # each row writes the block before its canvas (here the prompt's last) and denoises the canvas:
     # the engine's step after a canvas is accepted (the commit graph when graphs are on)
     commit_denoise = ScheduledBatch.of_rows([ScheduledRow(r.request, r.request.active_block - 1, 2, True)
                                              for r in decode_rows], L)
-    decoding_requests = [row.request for row in decode_rows]
+    return ScheduledBatch.of_rows(decode_rows, L), ScheduledBatch.of_rows(commit_rows, L), commit_denoise
+
+
+def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
+    """ms of a denoising step, its forward alone and a commit, for `batch` rows of one canvas each."""
+    from fluxlab.engine.canvas_attention import build_canvas_metadata
+
+    runner, L = engine.runner, engine.block_length
+    decode, commit, commit_denoise = step_batches(engine, batch, prompt_tokens)
+    decoding_requests = list(decode.requests)
     static = runner.graphs is not None and runner.graphs.can_run(decode)
 
     def forward_only_static():
@@ -119,10 +128,6 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
             runner.model.compute_logits(hidden[lo * L:(lo + chunk) * L])
 
     with torch.inference_mode():
-        for row in commit_rows:  # the committed canvas' tokens the commit forward reads
-            request = row.request
-            start, end = request.block_range(request.active_block)
-            request.tokens[start:end] = 1
         out = {"batch": batch, "canvas": L, "prompt_tokens": prompt_tokens, "graphs": static,
                "denoise_ms": _time(lambda: runner.run(decode), repeats),
                "denoise_forward_ms": _time(forward_only_static if static else forward_only, repeats),

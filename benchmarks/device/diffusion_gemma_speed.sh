@@ -1,0 +1,49 @@
+#!/bin/bash
+# Issue 36.2/36.3 on one H200 (torch 2.11 + triton 3.6; run from the repo root with carry [".whl", ".base"]):
+# A: GPU tests of the canvas kernels and Diffusion-Gemma batch invariance; B: which ops are batch-invariant
+# (benchmarks/device/diffusion_gemma_invariance_probe.py); C: kernel profile of a denoising step at batch 1
+# and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
+# `git archive` of the commit before this round) then this tree, in one call. Outputs under $OUT.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out_dg}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+t() { echo "[t+${SECONDS}s] $*"; }
+nvidia-smi -L 2>&1 | head -1
+STEPS=${STEPS:-ABCD}
+BENCH="--graphs on --batch-sizes 1,16 --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats 5"
+
+if [[ $STEPS == *A* ]]; then
+  t "A: gpu tests"
+  timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings tests/test_canvas_moe.py \
+    tests/test_canvas_stats.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py \
+    > "$OUT/dg_gpu_tests.log" 2>&1
+  echo "A exit $?"
+  grep -E "^(FAILED|ERROR)|^E |passed|failed|error" "$OUT/dg_gpu_tests.log" | cut -c1-300 | tail -25
+fi
+if [[ $STEPS == *B* ]]; then
+  t "B: invariance probe"
+  timeout 90 python3 benchmarks/device/diffusion_gemma_invariance_probe.py > "$OUT/dg_invariance_probe.log" 2>&1
+  echo "B exit $?"; tail -20 "$OUT/dg_invariance_probe.log"
+fi
+if [[ $STEPS == *C* ]]; then
+  t "C: profile"
+  timeout 150 python3 benchmarks/device/diffusion_gemma_profile.py 1,16 > "$OUT/dg_profile.log" 2>&1
+  echo "C exit $?"; grep -v "^\[" "$OUT/dg_profile.log" | tail -42 | cut -c1-150
+fi
+if [[ $STEPS == *D* ]]; then
+  if [[ -d .base ]]; then
+    t "D1: bench, baseline tree"
+    (cd .base && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_base.json") \
+      > "$OUT/dg_bench_base.log" 2>&1
+    echo "D1 exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_base.log" | head -5
+  fi
+  t "D2: bench, this tree"
+  timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_new.json" > "$OUT/dg_bench_new.log" 2>&1
+  echo "D2 exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_new.log" | head -5
+  for f in base new; do
+    echo "== $f"; [[ -f $OUT/dg_bench_$f.json ]] && python3 -c "import json, sys; from fluxlab.bench.canvas import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/dg_bench_$f.json" 2>&1 | tail -8
+  done
+fi
+t done
