@@ -49,7 +49,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0
         probs = torch.softmax(logits, dim=-1)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
-    logits = logits / temperature
+    # shifted, and a float32-representable divisor: any temperature > 0 stays finite (decoding/sampling.py)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
     if top_k and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
