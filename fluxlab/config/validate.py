@@ -92,6 +92,29 @@ def _notes_canvas(dec: DictConfig, model: DictConfig, notes: list[str]) -> None:
         _check(dec.t_max > dec.t_min, f"decoding.t_max={dec.t_max} must be > decoding.t_min={dec.t_min}")
 
 
+def _check_ceilings(dec: DictConfig, canvas: bool, name: str) -> None:
+    """decoding.<knob>_limit: null, or in its knob's range and not below the default it bounds (a
+    Diffusion-Gemma checkpoint's own default is checked when the engine reads it); a limit of the
+    other family's knob would bound nothing, so it is refused."""
+    from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
+    from fluxlab.engine.decoding.knobs import KNOBS, LIMITED_KNOBS, limit_key, work_ceilings
+
+    for knob in LIMITED_KNOBS:
+        key, limit = limit_key(knob), dec[limit_key(knob)]
+        if limit is None:
+            continue
+        _check((knob in CANVAS_KNOBS) == canvas,
+               f"decoding.{key}={limit}: {name} does not read {knob} "
+               f"({'a canvas-decoder knob (Diffusion-Gemma)' if knob in CANVAS_KNOBS else 'a LLaDA2 decoder knob'}); "
+               "leave it null")
+        problem = KNOBS[knob].problem(limit, prefix="decoding.")
+        _check(problem is None, (problem or "").replace(f"decoding.{knob}=", f"decoding.{key}=", 1))
+    try:
+        work_ceilings(dec)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _check_canvas_engine(cfg: DictConfig) -> None:
     """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, CUDA
     graphs of its canvas step only (canvas_graphs.py), its experts' own kernels, one device."""
@@ -180,6 +203,7 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         for knob in KNOBS.values():
             problem = knob.problem(dec[knob.name], bl, prefix="decoding.")
             _check(problem is None, problem)
+        _check_ceilings(dec, family.canvas, describe(model))
         _check(not DECODERS[dec.decoder].greedy_only or dec.temperature == 0,
                f"decoding.temperature={dec.temperature} must be 0 for decoding.decoder={dec.decoder} (greedy only)")
 

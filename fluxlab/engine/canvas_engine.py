@@ -77,6 +77,7 @@ def _warn_on_canvas_mismatch(model_dir: Optional[Path], canvas_length: int) -> N
 
 
 class CanvasEngine(LLMEngine):
+    request_knobs = CANVAS_KNOBS
     def __init__(self, cfg: DictConfig):  # noqa: D107 - mirrors LLMEngine.__init__ for this model
         from fluxlab.engine.diffusion_gemma_loader import load_diffusion_gemma
 
@@ -118,7 +119,8 @@ class CanvasEngine(LLMEngine):
                                                 enable_prefix_cache=cfg.scheduler.enable_prefix_cache)
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
-                                   StopStrings(self.tokenizer), decode_writes_kv=False)
+                                   StopStrings(self.tokenizer), decode_writes_kv=False,
+                                   request_timeout_s=cfg.server.request_timeout_s)
         self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
                                    self.ring_size, self.block_length, self.device, self.dtype, pages_per_seq)
         if cfg.attention.use_decode_cuda_graph:  # validation: on CUDA, capture sizes resolved

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from fluxlab.engine.block_manager import BlockManager
-from fluxlab.engine.decoding.registry import DECODERS, get_decoder
+from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
+from fluxlab.engine.decoding.knobs import above_ceiling, work_ceilings
+from fluxlab.engine.decoding.registry import DECODERS, KNOBS, get_decoder
 from fluxlab.engine.layers.attention import KVCache
 from fluxlab.engine.model_runner import ModelRunner, StepInputs
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
@@ -123,6 +125,8 @@ def load_engine_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype,
 
 class LLMEngine:
     runner_class = ModelRunner  # data-parallel attention's rank 0 runs a subclass
+    generation_defaults: dict = {}  # the checkpoint's own knob values (Diffusion-Gemma's generation_config.json)
+    request_knobs = tuple(k for k in KNOBS if k not in CANVAS_KNOBS)  # the knobs a request to this engine may set
 
     def __init__(self, cfg: DictConfig):
         from fluxlab.engine.loader import special_ids
@@ -155,7 +159,7 @@ class LLMEngine:
                                           max_blocks_per_seq=-(-self.max_model_len // self.block_length))
         self.scheduler = Scheduler(cfg.scheduler.policy, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_scheduled_tokens, self.block_length, self.block_manager,
-                                   StopStrings(self.tokenizer))
+                                   StopStrings(self.tokenizer), request_timeout_s=cfg.server.request_timeout_s)
         self.runner = self.make_runner(cfg.attention.backend)
         segment_sizes = graph_segment_sizes(cfg)
         if segment_sizes:
@@ -193,6 +197,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by the next step()
         # add_request reads the config's decoding defaults: a plain dict (an omegaconf lookup is ~10 µs)
         self.decoding_defaults: dict = {key: self.cfg.decoding[key] for key in self.cfg.decoding}
+        # the most a request may ask of each knob that multiplies its work (decoding.<knob>_limit)
+        self.ceilings = work_ceilings(self.decoding_defaults, self.generation_defaults, self.request_knobs)
         self.total_forwards = 0
         self.total_generated_tokens = 0
         # Wall time of steps that ran a forward. A step ends on its one device->host copy, so the
@@ -334,6 +340,9 @@ class LLMEngine:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            negative = [t for t in prompt_ids if isinstance(t, int) and t < 0]
+            if negative:  # (the server's message too: fluxlab/server/protocol.py)
+                raise InvalidRequest(f"token ids must be >= 0; got {negative[:5]}", "prompt")
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
@@ -346,6 +355,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         request = self._make_request(request_id, prompt_ids, params)
+        for name, ceiling in self.ceilings.items():
+            problem = above_ceiling(name, getattr(params, name), ceiling)
+            if problem:
+                raise InvalidRequest(problem, name)
         if not self.block_manager.can_hold(request):
             raise InvalidRequest(f"the request needs {request.num_blocks} KV pages; the cache holds "
                                  f"{self.block_manager.num_pages}", "max_tokens")
@@ -354,8 +367,6 @@ class LLMEngine:
         return request_id
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
-
         if params.decoder == "canvas":
             raise InvalidRequest(f"decoder=canvas decodes Diffusion-Gemma canvases; {self.cfg.model.name} is not "
                                  "a Diffusion-Gemma model", "decoder")
@@ -384,6 +395,10 @@ class LLMEngine:
         scheduling the run is launch -> finish, and finish launches the next step's forward when the
         same rows go again (no block finished), so that forward runs while this postprocess does."""
         outputs, self._pending = self._pending, []
+        overdue = self.scheduler.end_overdue()
+        for out in overdue:
+            self.requests.pop(out.request_id, None)
+        outputs += overdue
         if not self.scheduler.has_unfinished():
             self._drop_following()
             return outputs

@@ -104,6 +104,8 @@ class RequestStats:
     blocks_committed: int = 0
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
+    admitted_time: Optional[float] = None  # first took a seat: server.request_timeout_s counts from here
+    timed_out: bool = False  # ended by server.request_timeout_s with the tokens it had (finish_reason "length")
 
     @property
     def ttft_s(self) -> float:

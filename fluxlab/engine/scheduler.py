@@ -15,6 +15,8 @@ state); admission and preemption in `schedule` and `abort`/`fail` are the schedu
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from fluxlab.engine.request import RequestOutput, RequestState
 from fluxlab.engine.seats import COUNTED, Seats
 from fluxlab.engine.sequence import Request
 
+log = logging.getLogger("fluxlab.engine")
 
 @dataclass
 class StepOutput:
@@ -122,10 +125,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, policy: str, max_num_seqs: int, max_scheduled_tokens: int, block_length: int,
-                 block_manager: BlockManager, text_stops: Optional[TextStops] = None, decode_writes_kv: bool = True):
+                 block_manager: BlockManager, text_stops: Optional[TextStops] = None, decode_writes_kv: bool = True,
+                 request_timeout_s: float = 0.0):
         """decode_writes_kv: a decoding forward writes its active block's K/V as a commit would (LLaDA2:
-        the block attends to the prefix and itself either way); Diffusion-Gemma's denoising pass writes none."""
+        the block attends to the prefix and itself either way); Diffusion-Gemma's denoising pass writes none.
+        request_timeout_s: seconds a request may hold a seat from its first admission (<= 0: no limit)."""
         self.policy = policy
+        self.request_timeout_s = request_timeout_s
+        self._next_deadline = math.inf  # no running request's deadline is earlier (stale-early is fine)
         self.decode_writes_kv = decode_writes_kv
         self.text_stops = text_stops
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # seats of the host and device step state
@@ -179,6 +186,37 @@ class Scheduler:
         request.error = error
         request.stats.finish_time = time.perf_counter()
         return self._output(request)
+
+    def end_overdue(self) -> list[RequestOutput]:
+        """Running requests past their deadline end with the tokens they have (finish_reason "length")
+        and free their seat and pages, so no request holds a seat longer than request_timeout_s,
+        whatever its knobs (issue 35). One comparison a step until some deadline may have passed."""
+        now = time.perf_counter()
+        if now < self._next_deadline:
+            return []
+        timeout = self.request_timeout_s
+        overdue = [r for r in self.running if r.stats.admitted_time + timeout <= now]
+        outputs = [self._end_overdue(r, now) for r in overdue]
+        self._next_deadline = min((r.stats.admitted_time + timeout for r in self.running), default=math.inf)
+        return outputs
+
+    def _end_overdue(self, request: Request, now: float) -> RequestOutput:
+        log.warning("request %s held its seat %.1f s, past server.request_timeout_s=%g: it ends with its %d "
+                    "committed tokens (finish_reason length)", request.request_id, now - request.stats.admitted_time,
+                    self.request_timeout_s, len(request.output_ids))
+        self._release(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = "length"
+        request.stats.timed_out = True
+        request.stats.finish_time = now
+        return self._output(request)
+
+    def _start_clock(self, request: Request) -> None:
+        """Admission: the request's deadline counts from its first seat (a preempted one keeps it)."""
+        stats = request.stats
+        if stats.admitted_time is None:
+            stats.admitted_time = time.perf_counter()
+        self._next_deadline = min(self._next_deadline, stats.admitted_time + self.request_timeout_s)
 
     # --- a step's results ---
     def postprocess(self, batch: ScheduledBatch, out: Optional[StepOutput]) -> list[RequestOutput]:
@@ -341,6 +379,8 @@ class Scheduler:
             if not request.stats.preemptions:  # OpenAI's cached_tokens: prompt tokens served from the cache
                 request.stats.cached_tokens = len(hits) * self.block_length
             request.state = RequestState.PREFILLING
+            if self.request_timeout_s > 0:
+                self._start_clock(request)
             self.running.append(request)
             self._running_slots.append(request.slot)
             self._slots_array = None

@@ -26,7 +26,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from pydantic.json_schema import WithJsonSchema
 from pydantic.types import Strict
 
-from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob
+from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob, above_ceiling, work_ceilings
 from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.request import SamplingParams
 
@@ -98,6 +98,7 @@ class ServedFields:
     refused: dict[str, str] = field(default_factory=dict)  # knob it does not read -> the 400's message
     block_length: Optional[int] = None  # the bound of `steps` (None: the engine checks it)
     vocab_size: Optional[int] = None  # the bound of a prompt's token ids (None: the server checks it)
+    ceilings: dict[str, int] = field(default_factory=dict)  # knob -> its work ceiling (decoding.<knob>_limit)
 
 
 # The OpenAI sampling fields the canvas decoder cannot vary (it has its own temperature schedule).
@@ -130,11 +131,25 @@ def served_fields(cfg: Any, vocab_size: Optional[int] = None) -> ServedFields:
         own = tuple(k for k in knobs if k not in pinned)
         refused = {k: f"{k} is not a Diffusion-Gemma knob: {name} decodes with decoder=canvas, whose knobs are "
                       f"{', '.join(own)}" for k in KNOBS if k not in knobs}
-        return ServedFields(("canvas",), own, pinned, refused, vocab_size=vocab_size)
+        return ServedFields(("canvas",), own, pinned, refused, vocab_size=vocab_size,
+                            ceilings=work_ceilings(cfg.decoding, _checkpoint_knobs(cfg.model), own))
     refused = {k: f"{k} is a canvas-decoder knob (Diffusion-Gemma); {name} does not read it"
                for k in KNOBS if k not in knobs}
     return ServedFields(_runnable_decoders(cfg), knobs, refused=refused, block_length=cfg.decoding.block_length,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size, ceilings=work_ceilings(cfg.decoding, knobs=knobs))
+
+
+def _checkpoint_knobs(model: Any) -> dict:
+    """A Diffusion-Gemma checkpoint's own knob values (generation_config.json): the defaults, and so
+    the work ceilings, of the engine that serves it (CanvasEngine.generation_defaults)."""
+    from fluxlab.engine.canvas_engine import canvas_model_dir
+    from fluxlab.engine.decoding.canvas import read_generation_defaults
+
+    try:
+        model_dir = canvas_model_dir(model)
+    except ValueError:
+        model_dir = None  # the engine refuses the path; transformers' defaults meanwhile
+    return read_generation_defaults(model_dir)
 
 
 def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
@@ -156,12 +171,15 @@ def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
 ANY_MODEL = ServedFields(tuple(DECODERS), tuple(KNOBS))
 
 
-def _knob_field(knob: Knob, block_length: Optional[int]) -> Any:
-    """A knob's body field: its type and JSON-schema bounds, as the registry writes them."""
+def _knob_field(knob: Knob, block_length: Optional[int], ceiling: Optional[int] = None) -> Any:
+    """A knob's body field: its type and JSON-schema bounds, as the registry writes them, the
+    maximum lowered to the served model's work ceiling."""
     bounds: dict[str, Any] = {}
     if knob.minimum is not None:
         bounds["gt" if knob.exclusive_minimum else "ge"] = knob.minimum
     maximum = block_length if knob.up_to_block_length else knob.maximum
+    if ceiling is not None:
+        maximum = ceiling if maximum is None else min(maximum, ceiling)
     if maximum is not None:
         bounds["le"] = maximum
     return (Optional[_number(knob.kind, description=knob.help or None, **bounds)], None)
@@ -178,7 +196,7 @@ def _decoding_fields(served: ServedFields) -> dict[str, Any]:
         if name in served.pinned:
             fields[name] = _pinned_field(knob, *served.pinned[name])
         elif name in served.knobs:
-            fields[name] = _knob_field(knob, served.block_length)
+            fields[name] = _knob_field(knob, served.block_length, served.ceilings.get(name))
         else:  # another family's: documented as null only (bodies may carry any other name), refused below
             why = served.refused.get(name, f"{name} is not supported")
             fields[name] = (None, Field(None, description=f"{why}: only null"))
@@ -194,7 +212,17 @@ def _decoding_fields(served: ServedFields) -> dict[str, Any]:
             raise ValueError(f"{info.field_name}={value!r}: {why}")
         return value  # a wrong type is left to the type check
 
+    def under_ceiling(cls, value: Any, info) -> Any:
+        # before the `maximum` check, so the 400 names the key that sets the ceiling
+        problem = above_ceiling(info.field_name, value, served.ceilings[info.field_name])
+        if problem:
+            raise ValueError(problem)
+        return value
+
     validators = {}
+    limited = tuple(n for n in served.ceilings if n in served.knobs)
+    if limited:
+        validators["_work_ceilings"] = field_validator(*limited, mode="before")(under_ceiling)
     others = tuple(n for n in KNOBS if n not in served.knobs and n not in served.pinned)
     if others:
         validators["_refuse_other_knobs"] = field_validator(*others, mode="before")(refuse)
@@ -236,6 +264,15 @@ class DecodingFields(BaseModel):
         if not _is_default(value, (1,)):
             raise ValueError(f"n={value!r} is not supported; only n=1")
         return 1
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options_object(cls, value: Any) -> Any:
+        # pydantic's own error for a non-object here reads like the whole body is not one
+        if value is not None and not isinstance(value, (dict, StreamOptions)):
+            raise ValueError(f"stream_options must be an object such as {{\"include_usage\": true}}, "
+                             f"not {_json_name(value)}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -291,7 +328,10 @@ def _ids_in_vocabulary(vocab_size: Optional[int]) -> Any:
     def check(cls, value: Any) -> Any:
         ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
         if isinstance(ids, list) and ids and all(_json_kind(t) == "number" for t in ids):
-            bad = [t for t in ids if not (t >= 0 and (vocab_size is None or t < vocab_size))]
+            negative = [t for t in ids if t < 0]
+            if negative:
+                raise ValueError(f"token ids must be >= 0; got {negative[:5]}")
+            bad = [t for t in ids if vocab_size is not None and t >= vocab_size]
             if bad:
                 where = "[0, inf)" if vocab_size is None else f"[0, {vocab_size})"
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary {where}")
@@ -414,6 +454,14 @@ def _is_default(value: Any, defaults: tuple) -> bool:
 
 def _json_kind(value: Any) -> Any:
     return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value)
+
+
+def _json_name(value: Any) -> str:
+    """The JSON type of a parsed value, as a client wrote it."""
+    for kind, name in ((bool, "a boolean"), (str, "a string"), (list, "an array"), ((int, float), "a number")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 # ---------------------------------------------------------------------- responses (documentation)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,53 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("confidence_threshold", float, 0.0, exclusive_minimum=True, optional=True,
          help="canvas: early stop needs the mean entropy below this"),
 )}
+
+# Knobs whose value multiplies a request's forwards, each with a server-side ceiling: the decoding key
+# `<knob>_limit`, null = the run's own default of the knob (decoding.<knob>, else the checkpoint's
+# generation_config.json), so by default a request may ask for less work than the default, never more.
+# The other knobs are bounded by their ranges: `steps` by block_length; a block's mask-filling forwards
+# by block_length (every block decoder fills at least one mask a forward, and levenshtein_joint's edits
+# that add masks stop at max_steps_per_block); the canvas' early stop (stability_threshold,
+# confidence_threshold) only ends a canvas before its max_denoising_steps; top_k only narrows a draw.
+# max_tokens is bounded by model.max_model_len. server.request_timeout_s bounds the rest (time on a seat).
+LIMITED_KNOBS = ("max_post_steps", "max_steps_per_block", "max_denoising_steps")
+
+
+def limit_key(name: str) -> str:
+    """The decoding key of a limited knob's ceiling."""
+    return f"{name}_limit"
+
+
+def work_ceilings(decoding: Any, checkpoint: Optional[dict] = None, knobs: Iterable[str] = LIMITED_KNOBS
+                  ) -> dict[str, int]:
+    """knob -> the most a request may ask for, for each LIMITED_KNOB among `knobs` (those the model
+    reads) the run has a value for: decoding.<knob>_limit, else decoding.<knob>, else `checkpoint`'s
+    (generation_config.json). Raises ValueError when the default a request takes by leaving the knob
+    unset is above its ceiling."""
+    checkpoint = checkpoint or {}
+    ceilings = {}
+    for name in (k for k in LIMITED_KNOBS if k in knobs):
+        default = decoding.get(name)
+        default, source = (default, f"decoding.{name}") if default is not None else \
+            (checkpoint.get(name), f"the checkpoint's {name} (generation_config.json)")
+        limit = decoding.get(limit_key(name))
+        if limit is None:
+            if default is not None:
+                ceilings[name] = int(default)
+            continue
+        if default is not None and default > limit:
+            raise ValueError(f"decoding.{limit_key(name)}={limit} is below {source}={default}, the value of every "
+                             f"request that leaves {name} unset; raise the limit or lower the default")
+        ceilings[name] = int(limit)
+    return ceilings
+
+
+def above_ceiling(name: str, value: Any, ceiling: Optional[int]) -> Optional[str]:
+    """Why `value` asks for too much work (None when it does not, or has no number to compare)."""
+    if ceiling is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= ceiling:
+        return None
+    return f"{name}={value!r} is above its ceiling {ceiling} (decoding.{limit_key(name)})"
+
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; requests take the signed int64 range (the
 # server's bound too), so a seed never overflows inside a step.
