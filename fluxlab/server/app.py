@@ -22,7 +22,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
@@ -30,13 +30,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fluxlab.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from fluxlab.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from fluxlab.server.auth import ApiKeyGuard
 from fluxlab.server.body_limit import BodySizeLimit
+from fluxlab.server.client_timeouts import BodyReadTimeout
 from fluxlab.server.metrics import ServerMetrics
 from fluxlab.server.openapi import error_responses, install_openapi
 from fluxlab.server.output_text import StreamText, final_text
 from fluxlab.server.prompts import PromptEncoder
 from fluxlab.server.protocol import (ChatCompletionResponse, CompletionResponse, ModelList, ServerError, error_body,
                                      request_models, served_fields)
+from fluxlab.server.shutdown import RefuseWhileStopping, Shutdown
 
 log = logging.getLogger("fluxlab.server")
 
@@ -55,10 +58,10 @@ _DISCONNECT_POLL_S = 0.25
 
 
 def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, on shutdown, aborts what is in flight."""
+    """The app; its lifespan starts the engine thread and stops it. `app.state.shutdown` is what
+    serve's SIGTERM handling drives (503 for new requests, then the drain and abort)."""
     served_name: str = cfg.server.served_model_name or cfg.model.name
     model_names = {served_name, cfg.model.name} | ({cfg.model.path} if cfg.model.path else set())
-    api_key: Optional[str] = cfg.server.api_key
     metrics = ServerMetrics(async_engine, served_name)
     tokenizer = async_engine.tokenizer
     prompts = PromptEncoder(tokenizer, async_engine.max_model_len, cfg.server.parse_special_tokens_in_chat)
@@ -75,8 +78,15 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
         prompts.shutdown()
 
     app = FastAPI(title="fluxlab", lifespan=lifespan)
-    app.state.async_engine, app.state.metrics = async_engine, metrics
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.server.max_request_body_bytes)
+    shutdown = Shutdown(cfg.server.drain_timeout_s, async_engine.abort_all, async_engine.abort)
+    app.state.async_engine, app.state.metrics, app.state.shutdown = async_engine, metrics, shutdown
+    # Pure ASGI guards, innermost first: each answers before the body is parsed (the last added
+    # runs first). Not dependencies: those run after FastAPI has read and parsed the body.
+    rejected = metrics.observe_rejected
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.server.max_request_body_bytes, on_reject=rejected)
+    app.add_middleware(ApiKeyGuard, api_key=cfg.server.api_key, on_reject=rejected)
+    app.add_middleware(RefuseWhileStopping, shutdown=shutdown, on_reject=rejected)
+    app.add_middleware(BodyReadTimeout, timeout_s=cfg.server.client_read_timeout_s, on_reject=rejected)
     install_openapi(app)
 
     # ------------------------------------------------------------------ errors (OpenAI shape)
@@ -95,20 +105,13 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed",
+                408: "request_timeout"}.get(err.status_code)
         metrics.observe_rejected(err.status_code)
-        # err.headers carries a 405's `Allow`
+        # err.headers carries a 405's `Allow`, a 408's `Connection: close`
         return JSONResponse(error_body(str(err.detail), kind, None, code), status_code=err.status_code,
                             headers=err.headers)
 
-    async def require_key(request: Request) -> None:
-        # A dependency, not a BaseHTTPMiddleware: that wrapper hides client disconnects from the
-        # handler. Everything but /health needs the key (DESIGN §12); a router or Prometheus
-        # scraper is given the key (sglang-router: --api-key).
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise ServerError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-
-    guarded = [Depends(require_key)]
     api_errors = error_responses(400, 401, 404, 413, 503)
 
     # ------------------------------------------------------------------ helpers
@@ -122,13 +125,15 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
     async def submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         try:
-            return await async_engine.add(request_id, prompt_ids, params)
+            out_queue = await async_engine.add(request_id, prompt_ids, params)
         except InvalidRequest as err:
             raise ServerError(400, str(err), param=err.param)
         except Overloaded as err:
             raise ServerError(503, str(err), type="server_error", code="overloaded")
         except EngineDead as err:
             raise ServerError(503, str(err), type="server_error", code="engine_unavailable")
+        shutdown.abort_if_stopped(request_id)
+        return out_queue
 
     async def next_output(out_queue: asyncio.Queue, watch: "_ClientWatch") -> Optional[RequestOutput | BaseException]:
         """The next output, or None once the client has gone away (checked even while outputs flow)."""
@@ -227,7 +232,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
     # ------------------------------------------------------------------ OpenAI endpoints
 
-    @app.post("/v1/completions", dependencies=guarded, responses={
+    @app.post("/v1/completions", responses={
         200: {"model": CompletionResponse, "description": "A completion, or with `stream: true` its chunks as SSE",
               "content": _SSE}, **api_errors})
     async def completions(body: CompletionRequest, request: Request):
@@ -255,7 +260,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
         return await run(request_id, prompt_ids, params, body, request, chunk, response)
 
-    @app.post("/v1/chat/completions", dependencies=guarded, responses={
+    @app.post("/v1/chat/completions", responses={
         200: {"model": ChatCompletionResponse, "description": "A chat completion, or with `stream: true` its chunks "
               "as SSE", "content": _SSE}, **api_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -287,7 +292,7 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
 
         return await run(request_id, prompt_ids, params, body, request, chunk, response)
 
-    @app.get("/v1/models", dependencies=guarded, response_model=None,
+    @app.get("/v1/models", response_model=None,
              responses={200: {"model": ModelList}, **error_responses(401)})
     async def models() -> dict:
         return {"object": "list", "data": [{
@@ -304,13 +309,13 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "error": async_engine.error}, status_code=503)
 
-    @app.get("/metrics", dependencies=guarded, response_class=Response, responses={
+    @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus text exposition format",
               "content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/get_load", dependencies=guarded, responses=error_responses(401))
+    @app.get("/get_load", responses=error_responses(401))
     async def get_load() -> list[dict]:
         snap, waiting = async_engine.snapshot, async_engine.num_waiting
         page_size = cfg.engine.page_size or cfg.decoding.block_length
@@ -325,14 +330,14 @@ def build_app(cfg: DictConfig, async_engine: AsyncEngine) -> FastAPI:
                  "prefix_cache_hit_rate": (snap.prefix_cache_hit_blocks / snap.prefix_cache_queried_blocks
                                            if snap.prefix_cache_queried_blocks else 0.0)}]
 
-    @app.get("/model_info", dependencies=guarded, responses=error_responses(401))
-    @app.get("/get_model_info", dependencies=guarded, responses=error_responses(401))
+    @app.get("/model_info", responses=error_responses(401))
+    @app.get("/get_model_info", responses=error_responses(401))
     async def model_info() -> dict:
         # sglang-router asks for this when it registers a worker. No model_path on purpose: the
         # router would try to load a tokenizer from it, which HTTP routing does not need.
         return {"served_model_name": served_name, "is_generation": True, "max_model_len": async_engine.max_model_len}
 
-    @app.get("/server_info", dependencies=guarded, responses=error_responses(401))
+    @app.get("/server_info", responses=error_responses(401))
     async def server_info() -> dict:
         config = OmegaConf.to_container(cfg, resolve=True)
         if config.get("server", {}).get("api_key"):

@@ -21,9 +21,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from fluxlab.server.shutdown import Shutdown
 
 log = logging.getLogger("fluxlab.server")
 
@@ -55,7 +58,9 @@ def _serve_single(cfg: DictConfig) -> None:
     import uvicorn
 
     from fluxlab.server.app import build_app
+    from fluxlab.server.client_timeouts import header_deadline_protocol
     from fluxlab.server.engine_process import EngineProcess, EngineStartError
+    from fluxlab.server.shutdown import ABORT_GRACE_S
 
     try:  # the engine loads (in its own process) before the socket opens: the ready line means ready
         async_engine = EngineProcess(cfg, cfg.server.max_waiting_requests)
@@ -63,9 +68,18 @@ def _serve_single(cfg: DictConfig) -> None:
         print(f"fluxlab serve: the engine did not start: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     app = build_app(cfg, async_engine)
+    http: Any = "auto"
+    if cfg.server.client_read_timeout_s > 0:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        http = header_deadline_protocol(AutoHTTPProtocol, cfg.server.client_read_timeout_s)
+    shutdown = app.state.shutdown
+    # uvicorn cancels the responses still open after this (a plain-text 500): by then the drain ran
+    # out and every request was aborted, which ends each within an engine step.
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-                            access_log=cfg.server.log_level == "debug", timeout_graceful_shutdown=10)
-    server = _Server(config, on_exit=async_engine.abort_all)
+                            access_log=cfg.server.log_level == "debug", http=http,
+                            timeout_graceful_shutdown=shutdown.drain_timeout_s + ABORT_GRACE_S)
+    server = _Server(config, shutdown)
     fatal: list[str] = []
 
     def stop_on_fatal(message: str) -> None:  # engine thread: ask uvicorn to stop, exit non-zero after
@@ -80,10 +94,11 @@ def _serve_single(cfg: DictConfig) -> None:
 
 
 class _Server:
-    """uvicorn.Server whose signal handler also aborts in-flight requests and does not re-raise
+    """uvicorn.Server whose signal handler starts the app's Shutdown (new requests get 503 from
+    now on), whose shutdown drains and then aborts what is in flight, and which does not re-raise
     the signal after shutdown (uvicorn re-raises it, which would make the exit code -15, not 0)."""
 
-    def __new__(cls, config: Any, on_exit: Callable[[], None]):
+    def __new__(cls, config: Any, stopping: Shutdown):
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -92,7 +107,10 @@ class _Server:
                     self.force_exit = True
                     return
                 self.should_exit = True
-                on_exit()  # streams end with finish_reason "abort"; their pages are freed now
+                stopping.begin()  # a flag only: this runs inside the signal handler
+
+            async def shutdown(self, sockets: Any = None) -> None:
+                await stopping.run(super().shutdown(sockets))
 
         return Server(config)
 
