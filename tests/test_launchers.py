@@ -4,6 +4,7 @@ the sbatch script (no cluster here); local jobs get GPUs of their own."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,18 +38,19 @@ def fluxlab(cwd: Path, *args: str, ok: bool = True, path_first: str = "", **env:
     return done
 
 
-def runs_in(uri: str) -> pd.DataFrame:
+def runs_in(uri: str, experiment: str = "fluxlab") -> pd.DataFrame:
     import mlflow
 
     mlflow.set_tracking_uri(uri)
-    return mlflow.search_runs(search_all_experiments=True)
+    return mlflow.search_runs(experiment_names=[experiment])
 
 
 def parent_and_children(runs: pd.DataFrame) -> tuple[pd.Series, pd.DataFrame]:
-    parents = runs[runs["tags.mlflow.parentRunId"].isna()]
+    parent_ids = runs.get("tags.mlflow.parentRunId", pd.Series(None, index=runs.index, dtype=object))
+    parents = runs[parent_ids.isna()]
     assert len(parents) == 1
     parent = parents.iloc[0]
-    return parent, runs[runs["tags.mlflow.parentRunId"] == parent["run_id"]]
+    return parent, runs[parent_ids == parent["run_id"]]
 
 
 def _free_port() -> int:
@@ -63,12 +65,15 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow_server")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # Its own session: `mlflow server` runs uvicorn as a child, and all of them stop together.
+    # No job execution: its huey consumers are processes this test has no use for.
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
-        cwd=root, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
+        cwd=root, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             assert server.poll() is None, (root / "server.log").read_text()[-3000:]
             try:
@@ -80,8 +85,12 @@ def mlflow_server(tmp_path_factory):
             time.sleep(0.5)
         yield url, root
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 @pytest.fixture(scope="module")
@@ -115,28 +124,35 @@ def test_submitit_local_jobs_are_children_of_one_parent_on_the_tracking_server(l
     assert {"resolved_config.yaml", "requests.csv"} <= artifacts
 
 
-def test_report_reads_the_sweep_from_the_tracking_server(local_sweep_on_server):
-    cwd, url = local_sweep_on_server
-    path = Path(fluxlab(cwd, "report", f"tracking.tracking_uri={url}").stdout.strip().splitlines()[-1])
+def test_report_reads_the_sweep_from_the_tracking_server(local_sweep_on_server, tmp_path):
+    from fluxlab.bench.report import write_report
+
+    _, url = local_sweep_on_server
+    path = Path(write_report(compose("report", [f"tracking.tracking_uri={url}", f"out_dir={tmp_path}"])))
     text = path.read_text()
     assert "decoding.threshold" in text and "tokens_per_forward" in text and "0.7" in text and "0.9" in text
 
 
-def test_joblib_sweep_records_a_refused_job_as_a_failed_child_and_goes_on(tmp_path):
+def test_joblib_jobs_a_config_refuses_are_failed_children_with_the_error(mlflow_server, tmp_path):
+    # Two loky worker processes; both points are refused before any engine loads (cheap), and the
+    # sweep still ends with a child per job and a closed parent.
     fluxlab(tmp_path, "bench", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-            "engine.gpu_memory_utilization=0.9,2.0", *TINY)
-    parent, children = parent_and_children(runs_in(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"))
-    assert parent["tags.fluxlab.launcher"] == "joblib" and parent["status"] == "FINISHED"
-    assert parent["tags.fluxlab.jobs_done"] == "1" and parent["tags.fluxlab.jobs_failed"] == "1"
-    by_value = children.set_index("params.engine.gpu_memory_utilization")
-    assert by_value.loc["0.9", "status"] == "FINISHED" and by_value.loc["0.9", "metrics.completed"] == 4
-    assert by_value.loc["2.0", "status"] == "FAILED"
-    assert "config error: engine.gpu_memory_utilization=2.0" in by_value.loc["2.0", "tags.error"]
+            "engine.gpu_memory_utilization=2.0,3.0", f"tracking.tracking_uri={mlflow_server[0]}",
+            "tracking.experiment=joblib", *TINY)
+    parent, children = parent_and_children(runs_in(mlflow_server[0], "joblib"))
+    assert parent["tags.fluxlab.launcher"] == "joblib"
+    assert parent["status"] == "FAILED"  # every job failed
+    assert (parent["tags.fluxlab.jobs_done"], parent["tags.fluxlab.jobs_failed"]) == ("0", "2")
+    assert sorted(children["params.engine.gpu_memory_utilization"]) == ["2.0", "3.0"]
+    assert set(children["status"]) == {"FAILED"}
+    for _, child in children.iterrows():
+        value = child["params.engine.gpu_memory_utilization"]
+        assert f"config error: engine.gpu_memory_utilization={value} must be in (0, 1]" in child["tags.error"]
     (results,) = tmp_path.glob("cache/runs/bench/*/results.jsonl")
-    assert sorted(line.count('"status": "failed"') for line in results.read_text().splitlines()) == [0, 1]
+    assert [line.count('"status": "failed"') for line in results.read_text().splitlines()] == [1, 1]
 
 
-def test_submitit_slurm_asks_for_the_gpus_of_the_parallel_group(tmp_path):
+def test_submitit_slurm_asks_for_the_gpus_of_the_parallel_group(tmp_path, mlflow_server):
     # No cluster here: a stand-in sbatch keeps the script submitit wrote and refuses it.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -146,14 +162,15 @@ def test_submitit_slurm_asks_for_the_gpus_of_the_parallel_group(tmp_path):
         tool.chmod(0o755)
     script = tmp_path / "job.sbatch"
     done = fluxlab(tmp_path, "bench", "-m", "hydra/launcher=submitit_slurm", "parallel=dp4_ep4_attn",
-                   "hydra.launcher.partition=h200", "decoding.threshold=0.7,0.9", ok=False,
+                   "hydra.launcher.partition=h200", "decoding.threshold=0.7,0.9",
+                   f"tracking.tracking_uri={mlflow_server[0]}", "tracking.experiment=slurm", ok=False,
                    path_first=str(bin_dir), SBATCH_SCRIPT_COPY=str(script))
     assert done.returncode != 0 and "no cluster" in done.stderr
     lines = script.read_text().splitlines()
     for flag in ("--gpus-per-node=4", "--ntasks-per-node=1", "--nodes=1", "--partition=h200", "--array=0-1%2"):
         assert f"#SBATCH {flag}" in lines, flag
     # The sweep's parent is closed, not left RUNNING, and says why it ended early.
-    parent, children = parent_and_children(runs_in(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"))
+    parent, children = parent_and_children(runs_in(mlflow_server[0], "slurm"))
     assert parent["status"] == "FAILED" and parent["tags.fluxlab.sweep_error"] and children.empty
 
 
@@ -198,9 +215,13 @@ def test_local_jobs_claim_separate_gpu_groups_and_wait_for_a_free_one(tmp_path):
         claim_gpus(pool, 8, tmp_path, job_num=0)
 
 
-def test_a_child_left_running_when_the_jobs_are_over_is_marked_failed(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cfg = OmegaConf.create({"tracking_uri": None, "artifact_location": None, "experiment": "t", "run_name": None})
+def _tracking(url: str, experiment: str) -> OmegaConf:
+    return OmegaConf.create({"tracking_uri": url, "artifact_location": None, "experiment": experiment,
+                             "run_name": None})
+
+
+def test_a_child_left_running_when_the_jobs_are_over_is_marked_failed(mlflow_server):
+    cfg = _tracking(mlflow_server[0], "lost_child")
     parent = tracking.start_run(cfg, "sweep", {})
     finished = tracking.start_run(cfg, "a", {}, parent_run_id=parent)
     tracking.end_run(cfg, finished)
@@ -214,8 +235,7 @@ def test_a_child_left_running_when_the_jobs_are_over_is_marked_failed(tmp_path, 
     assert client.get_run(parent).info.status == "FINISHED"
 
 
-def test_a_child_needs_its_parent_in_its_own_store(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cfg = OmegaConf.create({"tracking_uri": None, "artifact_location": None, "experiment": "t", "run_name": None})
+def test_a_child_needs_its_parent_in_its_own_store(mlflow_server):
+    cfg = _tracking(mlflow_server[0], "orphan")
     with pytest.raises(ValueError, match="parent run 0123456789abcdef0123456789abcdef is not in this job's MLflow"):
         tracking.start_run(cfg, "orphan", {}, parent_run_id="0123456789abcdef0123456789abcdef")
