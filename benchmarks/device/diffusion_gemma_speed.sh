@@ -4,6 +4,9 @@
 # (benchmarks/device/diffusion_gemma_invariance_probe.py); C: kernel profile of a denoising step at batch 1
 # and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
 # `git archive` of the commit before this round) then this tree, in one call. Outputs under $OUT.
+# Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
+#   sweeps pyproject.toml setup.py | tar -x -C .base ; echo /.base/ >> .git/info/exclude
+# ~8-9 min with all steps: STEPS=ABD (the default ABCD adds the profile) keeps one call under 600 s.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out_dg}
 mkdir -p "$OUT"
@@ -16,7 +19,7 @@ BENCH="--graphs on --batch-sizes 1,16 --concurrency 1 --steps 16 --prompt-tokens
 
 if [[ $STEPS == *A* ]]; then
   t "A: gpu tests"
-  timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings tests/test_canvas_moe.py \
+  timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings tests/test_canvas_moe.py tests/test_canvas_matmul.py \
     tests/test_canvas_stats.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py \
     > "$OUT/dg_gpu_tests.log" 2>&1
   echo "A exit $?"

@@ -75,7 +75,7 @@ class CanvasAttentionMetadata:
     query_gather: torch.Tensor  # [R, Q] flat token index of each row's queries (0 = padding)
     query_scatter: torch.Tensor  # [T] index of each flat token in the padded [R * Q] queries
     # per layer type (sliding?): padded cache slots of each row's prefix keys [R, K_t] (in that
-    # type's pool) and the mask [R, 1, Q, K_t + L] (True = may attend). Sliding layers gather only
+    # type's pool) and the mask [R, 1, Q, L + K_t] (True = may attend; canvas keys first). Sliding layers gather only
     # the keys some query of the row can see.
     key_slots: dict[bool, torch.Tensor]
     masks: dict[bool, torch.Tensor]
@@ -136,7 +136,7 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
 
 def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
            sliding: bool) -> torch.Tensor:
-    """[R, 1, Q, max_k + L] bool from per-row (K, encoder queries, queries, sliding first key)."""
+    """[R, 1, Q, L + max_k] bool from per-row (K, encoder queries, queries, sliding first key)."""
     num_keys, num_encoder, num_queries, sliding_first = (t[:, None, None] for t in per_row)
     device = per_row.device
     first = sliding_first if sliding else torch.zeros_like(sliding_first)
@@ -153,7 +153,7 @@ def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, wi
     is_canvas = (query >= num_encoder) & (query < num_queries)
     prefix = torch.where(is_encoder, encoder, is_canvas & canvas)
     own_canvas = is_canvas.expand(-1, -1, canvas_length)  # a canvas query sees its whole canvas
-    mask = torch.cat([prefix, own_canvas], dim=-1)
+    mask = torch.cat([own_canvas, prefix], dim=-1)  # canvas keys first: see PagedCanvasAttention.forward
     padding = (query >= num_queries)[..., 0]  # padded queries see one key so softmax stays finite
     mask[..., 0] |= padding
     return mask[:, None]
@@ -188,8 +188,12 @@ class PagedCanvasAttention:
                 cache_k[meta.full_write_slots] = k[meta.full_write_tokens]
                 cache_v[meta.full_write_slots] = v[meta.full_write_tokens]
             prefix_k, prefix_v = cache_k[slots], cache_v[slots]
-        keys = torch.cat([prefix_k, k[meta.canvas_gather]], dim=1)  # [R, K + L, Hkv, D]
-        values = torch.cat([prefix_v, v[meta.canvas_gather]], dim=1)
+        # Canvas keys first, then the prefix, then the padding up to the batch's longest prefix: a
+        # row's keys sit at the same offsets whatever else is in the batch, so a kernel that walks
+        # the key axis in fixed chunks sums them in the same order (batch invariance); padding keys
+        # are masked and add exact zeros at the end.
+        keys = torch.cat([k[meta.canvas_gather], prefix_k], dim=1)  # [R, L + K, Hkv, D]
+        values = torch.cat([v[meta.canvas_gather], prefix_v], dim=1)
         queries = q[meta.query_gather]  # [R, Q, H, D]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

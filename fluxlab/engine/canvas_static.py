@@ -90,9 +90,9 @@ class StaticCanvasAttention:
                     causal = causal & (key_pos > q_pos - self.window)
                 prefix_visible = torch.where(is_encoder, causal, prefix_visible)
             own_canvas = (~is_encoder).expand(self.rows, -1, L)  # canvas queries see the whole canvas
-            mask = torch.cat([prefix_visible, own_canvas], dim=-1)
+            mask = torch.cat([own_canvas, prefix_visible], dim=-1)  # canvas keys first (the eager path's order)
             if E:  # a dummy encoder query (a row that commits nothing) sees one key: softmax stays finite
-                mask[..., 0] |= is_encoder[..., 0] & (ne == 0)
+                mask[..., L] |= is_encoder[..., 0] & (ne == 0)
             self.masks[sliding] = mask[:, None].contiguous()
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -104,8 +104,8 @@ class StaticCanvasAttention:
             cache_k[self.write_slots[sliding]] = k[:, :E].flatten(0, 1)
             cache_v[self.write_slots[sliding]] = v[:, :E].flatten(0, 1)
         slots = self.slots[sliding]
-        keys = torch.cat([cache_k[slots], k[:, E:]], dim=1)
-        values = torch.cat([cache_v[slots], v[:, E:]], dim=1)
+        keys = torch.cat([k[:, E:], cache_k[slots]], dim=1)  # canvas first: PagedCanvasAttention.forward says why
+        values = torch.cat([v[:, E:], cache_v[slots]], dim=1)
         queries = q.view(rows, E + L, *q.shape[1:])
         out = torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

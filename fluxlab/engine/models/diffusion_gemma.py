@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fluxlab.engine.models.diffusion_gemma_layers import GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
+from fluxlab.kernels.invariant_matmul import linear, matmul, use_kernel
 
 
 def check_text_config(text_config) -> None:
@@ -54,7 +55,8 @@ class SelfConditioning(nn.Module):
 
     def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor) -> torch.Tensor:
         h = self.pre_norm(soft_embeds)
-        signal = self.down_proj(F.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h))
+        gate, up = linear(h, self.gate_proj.weight), linear(h, self.up_proj.weight)
+        signal = linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
         return self.post_norm(embeds + signal)
 
 
@@ -113,7 +115,12 @@ class DiffusionGemmaModel(nn.Module):
     def soft_embed_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """`soft_embed` from the fp32 softmax itself (the canvas step has it already)."""
         w = self.embed_tokens.weight
-        return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        p = probs.to(w.dtype)
+        if use_kernel(p):  # [.., V] @ [V, H]: a 262144-long reduction, split by K alone (batch invariance)
+            soft = matmul(p.reshape(-1, p.shape[-1]), w.t()).view(*p.shape[:-1], w.shape[1])
+        else:
+            soft = p @ w
+        return soft * torch.tensor(self.embed_scale, dtype=w.dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
@@ -177,7 +184,7 @@ class DiffusionGemmaModel(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's raw logits in the model dtype (the canvas step soft-caps them itself)."""
-        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head, then fp32 soft-capping cap * tanh(logits / cap), in place on the fp32 copy

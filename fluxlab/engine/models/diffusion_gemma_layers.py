@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
+
 
 class GemmaRMSNorm(nn.Module):
     """Gemma-4 RMSNorm: x * (mean(x^2) + eps)^-1/2 in fp32, times `weight` (not 1 + weight)."""
@@ -55,9 +57,10 @@ class GemmaAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[0]
-        q = rotate(self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim)), cos, sin)
-        k_raw = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v_raw = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        q = rotate(self.q_norm(linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)), cos, sin)
+        k_raw = linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
+        v_raw = (linear(x, self.v_proj.weight).view(n, self.num_kv_heads, self.head_dim) if self.v_proj is not None
+                 else k_raw)
         k = rotate(self.k_norm(k_raw), cos, sin)
         return q, k, self.v_norm(v_raw)
 
@@ -70,7 +73,8 @@ class GemmaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
 
 
 class GemmaRouter(nn.Module):
@@ -87,7 +91,7 @@ class GemmaRouter(nn.Module):
         self.root_size = hidden_size ** -0.5
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.proj(self.norm(x) * self.scale * self.root_size)
+        scores = linear(self.norm(x) * self.scale * self.root_size, self.proj.weight)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -207,7 +211,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor, o: torch.Tensor, static: bool) -> torch.Tensor:
         """The rest of the layer after attention (output `o`), before the layer scalar."""
-        x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(x.shape[0], -1)))
+        x = x + self.post_attention_layernorm(linear(o.reshape(x.shape[0], -1), self.self_attn.o_proj.weight))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
         routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index,

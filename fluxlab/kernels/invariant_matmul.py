@@ -1,0 +1,100 @@
+"""Batch-invariant matmul (Triton): a row's output does not depend on how many rows share the call.
+
+cuBLAS picks its algorithm per shape: at 256 rows (one Diffusion-Gemma canvas) a narrow or deep
+product (the router's 128 columns, the self-conditioning input's 262144-long reduction) may run
+split-K, at 16384 rows not, so the same row sums its products in another order and rounds
+differently, and a request's tokens would depend on the batch it runs in. Here every call uses one
+tile config (`BLOCK_M/N/K`, warps, stages), and the reduction of each output element is
+K-chunks of BLOCK_K in order into one fp32 accumulator: a function of K alone. Products with a long
+reduction are cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials are
+added in slice order by elementwise ops, never by a number that depends on the rows.
+
+`matmul(x [M, K], w [N, K])` = x @ w.T (F.linear's layout); `w` may be any strided view (the
+self-conditioning input multiplies by the embedding [V, H] itself: pass `embedding.t()`).
+"""
+from __future__ import annotations
+
+import torch
+
+from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
+
+BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES, GROUP_M = 128, 128, 64, 8, 3, 8
+SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
+
+if HAVE_TRITON:
+    @triton.jit
+    def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
+                       stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n  # grouped order: neighbouring programs share weight strips in L2
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_start = split * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :].to(tl.int64) * stride_xk
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None].to(tl.int64) * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            k_ok = (k + offs_k) < k_end
+            a = tl.load(x_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        o_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """CUDA half-precision inputs (the bf16 serving path); fp32 and CPU keep F.linear (parity runs)."""
+    return HAVE_TRITON and ((x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)) or _interpret())
+
+
+def splits_for(k: int) -> int:
+    """K-slices of a reduction of length k: a function of k alone (batch invariance)."""
+    return max(1, -(-k // SLICE_K)) if k > 2 * SLICE_K else 1
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T -> [M, N] in x.dtype, fp32 accumulation, batch-invariant (module doc)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("invariant matmul needs triton")
+    M, K = x.shape
+    N, K_w = w.shape
+    assert K == K_w, (x.shape, w.shape)
+    splits = splits_for(K)
+    k_per_split = -(-K // splits)
+    k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
+    splits = -(-K // k_per_split)
+    out = torch.empty(M, N, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N), splits)
+    _matmul_kernel[grid](x, w, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                         parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=WARPS,
+                         num_stages=STAGES)
+    if splits == 1:
+        return out
+    total = parts[0]
+    for s in range(1, splits):  # slice order, elementwise: no reduction whose blocking depends on M
+        total = total + parts[s]
+    return total.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear without bias, through `matmul` where `use_kernel` (any leading dims)."""
+    if not use_kernel(x):
+        return torch.nn.functional.linear(x, weight)
+    return matmul(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,58 @@
+"""The batch-invariant matmul Diffusion-Gemma's bf16 linears run (fluxlab/kernels/invariant_matmul.py)
+against F.linear, and a row's bits alone vs among other rows.
+
+CPU: under the Triton interpreter (TRITON_INTERPRET=1) in a subprocess (tests/triton_helpers.py),
+fp32 with IEEE dots. GPU (`-m gpu`): 26B-A4B shapes in bf16, including the 262144-long reduction
+of the self-conditioning input (split into a fixed number of K-slices).
+"""
+import importlib.util
+
+import pytest
+import torch
+from triton_helpers import run_interpreter_checks
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def check(m: int, k: int, n: int, dtype, device, gen, transposed: bool = False, rows=(1, 3)) -> None:
+    from fluxlab.kernels.invariant_matmul import matmul
+
+    x = torch.randn(max(rows) * m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(k, n, generator=gen, device=device).to(dtype).t() if transposed
+         else torch.randn(n, k, generator=gen, device=device).to(dtype))
+    got = matmul(x, w)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    err = (got.double() - want).norm() / want.norm()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), (m, k, n, dtype, err.item())
+    firsts = [matmul(x[:r * m], w)[:m] for r in rows]
+    assert all(torch.equal(firsts[0], f) for f in firsts[1:]), (m, k, n)
+
+
+def _interpreter_checks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    check(5, 70, 33, torch.float32, "cpu", gen)  # ragged tiles and K tail
+    check(130, 64, 130, torch.float32, "cpu", gen, rows=(1, 2))  # several row and column tiles
+    import fluxlab.kernels.invariant_matmul as im
+
+    im.SLICE_K = 256  # a long reduction at interpreter speed: K = 700 -> 3 slices
+    check(3, 700, 17, torch.float32, "cpu", gen, transposed=True)  # split K, a [K, N] view
+    print("interpreter checks ok")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")
+def test_invariant_matmul_matches_linear_interpreter():
+    run_interpreter_checks(__file__)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU and triton")
+def test_invariant_matmul_on_26b_shapes():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k, n in ((2816, 4096), (4096, 2816), (2816, 128), (2112, 2816), (2816, 8192)):
+        check(256, k, n, torch.bfloat16, "cuda", gen, rows=(1, 8, 64))
+    check(256, 2816, 262144, torch.bfloat16, "cuda", gen, rows=(1, 4))  # the head
+    check(256, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1, 4))  # self-conditioning
+
+
+if __name__ == "__main__":
+    _interpreter_checks()
