@@ -89,7 +89,8 @@ def test_a_body_over_the_limit_is_a_413_for_async_clients(server):
                 for _ in range(40):
                     yield b"x" * 250_000
 
-            streamed = await http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+            streamed = await http.post("/v1/completions", content=chunked(),
+                                       headers={"content-type": "application/json"})
             after = await http.post("/v1/completions", json=GOOD)  # the connection (or a new one) serves on
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         try:

@@ -200,7 +200,7 @@ def _serve_router(cfg: DictConfig) -> int:
                     return 1
         return 0
     finally:
-        _stop_all(children)
+        _stop_all(children, _STOP_GRACE_S + max(0.0, cfg.server.drain_timeout_s))
 
 
 def _router_argv(cfg: DictConfig, worker_urls: list[str], port: int) -> list[str]:
@@ -280,12 +280,13 @@ def _wait_router(router: _Child, url: str, num_local: int, timeout_s: float, sto
                        late=f"sglang-router at {url} did not see {num_local} healthy replicas within {timeout_s:.0f}s")
 
 
-def _stop_all(children: list[_Child]) -> None:
+def _stop_all(children: list[_Child], grace_s: float) -> None:
+    """SIGTERM to each, then SIGKILL to whatever is left after grace_s (a replica drains first)."""
     # Router first, so nothing new reaches a replica that is shutting down.
     for child in reversed(children):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for child in reversed(children):
         try:
             child.proc.wait(max(0.1, deadline - time.monotonic()))

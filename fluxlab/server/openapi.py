@@ -15,7 +15,8 @@ from fluxlab.server.protocol import ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _DESCRIPTIONS = {"400": "Bad request (the OpenAI error shape; `param` names the field)", "401": "Missing or wrong API key",
-                 "404": "Unknown model", "413": "Request body too large", "503": "Overloaded or engine unavailable"}
+                 "404": "Unknown model", "413": "Request body too large",
+                 "503": "Overloaded, engine unavailable, or shutting down"}
 
 
 def error_responses(*statuses: int) -> dict[int, dict]:
