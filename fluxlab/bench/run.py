@@ -21,7 +21,7 @@ from fluxlab.bench import tracking
 from fluxlab.bench.metrics import HEADLINE, EngineSteps, RequestRecord, compute_metrics, records_frame
 from fluxlab.bench.scoring import get_scorer
 from fluxlab.bench.server_process import PER_REQUEST_KEYS
-from fluxlab.bench.sweep import job_label, note_job, parent_run_id
+from fluxlab.bench.sweep import job_label, parent_run_id
 from fluxlab.bench.workload import BenchPrompt, load_workload
 
 log = logging.getLogger("fluxlab.bench")
@@ -210,7 +210,6 @@ def run_bench(cfg: DictConfig) -> dict:
         tracking.log_run(cfg.tracking, run_id, params=tracking.flatten_params(cfg), metrics=outcome.metrics,
                          tags=tags, artifacts=outcome.artifacts)
         tracking.end_run(cfg.tracking, run_id, failed=failure is not None)
-    note_job(failed=failure is not None)
     if failure is not None:
         # One failed point of a sweep must not end the sweep; a single run (or Ctrl-C) ends with the error.
         if not job.multirun or not isinstance(failure, Exception):

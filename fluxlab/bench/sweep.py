@@ -46,11 +46,6 @@ def job_label(overrides: list[str]) -> str:
     return " ".join(mine or overrides)
 
 
-def note_job(failed: bool) -> None:
-    """Kept for fluxlab.bench.run: the parent now counts its children's MLflow states at the sweep's
-    end, which works whichever process or host ran them."""
-
-
 def swept_keys(overrides: list[str], sweeper_params: Optional[dict]) -> list[str]:
     """Keys a sweep varies: `k=a,b` / range() / choice() overrides and hydra.sweeper.params."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
