@@ -18,7 +18,8 @@ def _experts(num_experts: int, hidden: int, inter: int, dtype, device, gen):
 
     experts = GemmaExperts(num_experts, hidden, inter).to(device=device)
     with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen, device=device) * hidden ** -0.5)
+        gate_up = torch.randn(experts.gate_up_proj.shape, generator=gen, device=device)
+        experts.gate_up_proj.copy_(gate_up * hidden ** -0.5)
         experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen, device=device) * inter ** -0.5)
     return experts.to(dtype)
 

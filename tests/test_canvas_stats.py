@@ -86,7 +86,8 @@ def test_canvas_stats_on_the_26b_vocabulary():
     raw = (torch.randn(512, 262144, generator=g, device="cuda") * 4).to(torch.bfloat16)
     temperature = torch.rand(512, generator=g, device="cuda") * 0.4 + 0.4
     check(raw, temperature, 30.0, sample_mismatches=2)
-    check_rows_do_not_depend_on_the_batch(262144, torch.bfloat16, g, rows=(1, 256, 1024))  # the runner calls it with up to 4 canvases
+    # the runner calls it with up to 4 canvases (1024 positions)
+    check_rows_do_not_depend_on_the_batch(262144, torch.bfloat16, g, rows=(1, 256, 1024))
 
 
 @pytest.mark.gpu
