@@ -31,6 +31,7 @@ from fluxlab.engine.sequence import Request
 
 log = logging.getLogger("fluxlab.engine")
 
+
 @dataclass
 class StepOutput:
     """What one forward decided for its decoding rows (batch.decode_rows order), on the host."""

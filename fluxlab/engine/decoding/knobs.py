@@ -108,9 +108,9 @@ def work_ceilings(decoding: Any, checkpoint: Optional[dict] = None, knobs: Itera
     checkpoint = checkpoint or {}
     ceilings = {}
     for name in (k for k in LIMITED_KNOBS if k in knobs):
-        default = decoding.get(name)
-        default, source = (default, f"decoding.{name}") if default is not None else \
-            (checkpoint.get(name), f"the checkpoint's {name} (generation_config.json)")
+        default, source = decoding.get(name), f"decoding.{name}"
+        if default is None:
+            default, source = checkpoint.get(name), f"the checkpoint's {name} (generation_config.json)"
         limit = decoding.get(limit_key(name))
         if limit is None:
             if default is not None:
