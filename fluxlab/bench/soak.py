@@ -2,9 +2,12 @@
 
 Each phase runs, for a fixed time and at most a fixed number of requests, a mix of plain and
 streamed completions and chats, streams the client drops after the first chunk, requests the
-client abandons mid-generation, and bad inputs. It checks that every good request completes with
-exactly the tokens it asked for, every bad one is a 4xx, nothing is a 5xx, the KV pages all come
-back once the phase is idle (/get_load), and reports the server's RSS after each phase.
+client abandons mid-generation, bad inputs (malformed bodies and knob values past their bounds),
+greedy and seeded requests whose text must equal the same request run alone before the phases,
+and heavy requests (knobs that multiply work) that must end by the server's request deadline. It
+checks that every good request completes with exactly the tokens it asked for, every bad one is a
+4xx, nothing is a 5xx, the KV pages all come back once the phase is idle (/get_load), and reports
+the server's RSS after each phase.
 
     python -m fluxlab.bench.soak --phases 5 --phase-seconds 120       # starts the default server
     python -m fluxlab.bench.soak --url http://127.0.0.1:8000 --pid 1234
@@ -28,8 +31,14 @@ from urllib.parse import urlparse
 
 import httpx
 
-KINDS = ("completion", "chat", "stream", "chat_stream", "disconnect", "abandon", "bad")
-WEIGHTS = (3, 2, 3, 2, 1, 1, 2)
+KINDS = ("completion", "chat", "stream", "chat_stream", "disconnect", "abandon", "bad", "greedy", "seeded",
+         "tiny_temperature", "heavy")
+WEIGHTS = (3, 2, 3, 2, 1, 1, 3, 2, 2, 1, 2)
+# Requests whose text must not depend on their neighbours: each is run alone first (the reference).
+EXACT_PROMPTS = [f"exact prompt {i}:" for i in range(4)]
+EXACT_TOKENS = 24
+EXACT_KNOBS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "top_p": 0.95},
+               "tiny_temperature": {"temperature": 1e-300}}  # once a 500 (NaN probabilities); now the argmax
 # Bad inputs and the statuses they must get (anything else, and any 5xx, is a failure).
 BAD = [
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400),
@@ -43,6 +52,15 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+    # Schema-valid types, values past the knobs' bounds (issue 35): a 400 naming the field, never a 500.
+    ("/v1/completions", {"prompt": "x", "top_k": 2**70}, 400),
+    ("/v1/completions", {"prompt": "x", "decoder": "joint_threshold", "max_post_steps": 2**70}, 400),
+    # Past the server's ceiling (decoding.max_post_steps_limit): once 8 of these held every seat for minutes.
+    ("/v1/completions", {"prompt": "x", "decoder": "joint_threshold", "editing_threshold": 0, "temperature": 3,
+                         "max_post_steps": 10**9}, 400),
+    ("/v1/completions", {"prompt": "x", "decoder": "levenshtein_joint", "max_steps_per_block": 2**70}, 400),
+    ("/v1/completions", {"prompt": [-1, 5]}, 400),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": "yes"}, 400),
 ]
 RAW_BAD = [b"{not json", b"[1, 2]", b'{"prompt": "\\ud800", "max_tokens": 2}']
 
@@ -113,9 +131,40 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+@dataclass
+class Heavy:
+    """Requests whose knobs multiply work (within the server's ceilings) and the deadline they must keep."""
+    knobs: dict
+    deadline_s: float  # the server's server.request_timeout_s
+    slack_s: float = 30.0  # a loaded machine's delay between the deadline and the response
+
+
+DEFAULT_HEAVY = Heavy({"decoder": "joint_threshold", "editing_threshold": 0.0, "temperature": 3.0}, deadline_s=600.0)
+
+
+def exact_body(model: str, kind: str, i: int) -> dict:
+    """The i-th greedy or seeded request (the seeded one's seed is fixed by i)."""
+    body = {"model": model, "prompt": EXACT_PROMPTS[i], "max_tokens": EXACT_TOKENS, "ignore_eos": True,
+            **EXACT_KNOBS[kind]}
+    return {**body, "seed": 1000 + i} if kind == "seeded" else body
+
+
+async def solo_texts(http: httpx.AsyncClient, model: str) -> dict:
+    """Each exact request run alone, one after another on an idle server: the texts the soak compares to."""
+    texts = {}
+    for kind in EXACT_KNOBS:
+        for i in range(len(EXACT_PROMPTS)):
+            response = await http.post("/v1/completions", json=exact_body(model, kind, i))
+            response.raise_for_status()
+            texts[kind, i] = response.json()["choices"][0]["text"]
+    return texts
+
+
 class _Load:
-    def __init__(self, http: httpx.AsyncClient, model: str, rng: random.Random, max_tokens: int):
+    def __init__(self, http: httpx.AsyncClient, model: str, rng: random.Random, max_tokens: int,
+                 references: dict, heavy: Heavy):
         self.http, self.model, self.rng, self.max_tokens = http, model, rng, max_tokens
+        self.references, self.heavy = references, heavy
         self.statuses: Counter = Counter()
         self.kinds: Counter = Counter()
         self.failures: list[str] = []
@@ -142,6 +191,10 @@ class _Load:
                 await self.disconnect(n)
             elif kind == "abandon":
                 await self.abandon()
+            elif kind in EXACT_KNOBS:
+                await self.exact(kind)
+            elif kind == "heavy":
+                await self.heavy_request()
             else:
                 await self.bad()
         except httpx.HTTPError as err:
@@ -187,6 +240,32 @@ class _Load:
         except httpx.TimeoutException:
             self.statuses["abandoned"] += 1
 
+    async def exact(self, kind: str) -> None:
+        i = self.rng.randrange(len(EXACT_PROMPTS))
+        response = await self.http.post("/v1/completions", json=exact_body(self.model, kind, i))
+        self.statuses[response.status_code] += 1
+        if response.status_code != 200:
+            return self.fail(kind, f"{response.status_code} {response.text[:200]}")
+        text = response.json()["choices"][0]["text"]
+        if text != self.references[kind, i]:
+            self.fail(kind, f"request {i} in a batch gave {text!r}, alone {self.references[kind, i]!r}")
+
+    async def heavy_request(self) -> None:
+        body = {**self.body(False, self.max_tokens), **self.heavy.knobs}
+        started = time.monotonic()
+        response = await self.http.post("/v1/completions", json=body)
+        took = time.monotonic() - started
+        self.statuses[response.status_code] += 1
+        if response.status_code != 200:
+            return self.fail("heavy", f"{response.status_code} {response.text[:200]}")
+        if took > self.heavy.deadline_s + self.heavy.slack_s:
+            self.fail("heavy", f"held its seat {took:.1f} s, past the {self.heavy.deadline_s} s deadline")
+        if response.json()["choices"][0]["finish_reason"] not in ("length", "stop"):
+            self.fail("heavy", f"finish_reason {response.json()['choices'][0]['finish_reason']}")
+        timed_out = response.json()["usage"]["fluxlab"].get("timed_out")
+        if timed_out is not (took > self.heavy.deadline_s):
+            self.fail("heavy", f"took {took:.1f} s of a {self.heavy.deadline_s} s deadline; usage says timed_out={timed_out}")
+
     async def bad(self) -> None:
         if self.rng.random() < 0.2:
             raw = self.rng.choice(RAW_BAD)
@@ -201,13 +280,14 @@ class _Load:
 
 
 async def run_phase(url: str, model: str, phase: int, seconds: float, max_requests: int, concurrency: int,
-                    max_tokens: int, seed: int, pid: Optional[int], headers: dict) -> PhaseReport:
+                    max_tokens: int, seed: int, pid: Optional[int], headers: dict, references: dict,
+                    heavy: Heavy) -> PhaseReport:
     rng = random.Random(seed * 1000 + phase)
     # Its own generator: the i-th request's kind does not depend on how the workers interleave, so
     # a phase of a fixed request count always issues the same mix.
     kinds = random.Random(seed * 1000 + phase + 500)
     async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as http:
-        load = _Load(http, model, rng, max_tokens)
+        load = _Load(http, model, rng, max_tokens, references, heavy)
         started = time.monotonic()
         issued = 0
 
@@ -238,16 +318,23 @@ async def _idle_load(http: httpx.AsyncClient, timeout_s: float) -> dict:
 
 
 def soak(url: str, model: str, phases: int, phase_seconds: float, max_requests: int, concurrency: int = 8,
-         max_tokens: int = 48, seed: int = 0, pid: Optional[int] = None, api_key: Optional[str] = None) -> SoakReport:
+         max_tokens: int = 48, seed: int = 0, pid: Optional[int] = None, api_key: Optional[str] = None,
+         heavy: Heavy = DEFAULT_HEAVY) -> SoakReport:
     host = urlparse(url).hostname or ""
     if not (host == "localhost" or host.startswith("127.") or host == "::1"):
         raise ValueError(f"soak only targets loopback addresses, not {url}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    references = asyncio.run(_solo(url, model, headers))
     report = SoakReport()
     for phase in range(phases):
         report.phases.append(asyncio.run(run_phase(url, model, phase, phase_seconds, max_requests, concurrency,
-                                                   max_tokens, seed, pid, headers)))
+                                                   max_tokens, seed, pid, headers, references, heavy)))
     return report
+
+
+async def _solo(url: str, model: str, headers: dict) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as http:
+        return await solo_texts(http, model)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -121,7 +121,7 @@ class ServerConfig:
     max_request_body_bytes: int = key(8 * 1024 * 1024, "larger bodies are a 413 before parsing; <= 0: no limit")
     request_timeout_s: float = key(600.0, "seconds a request may hold a seat (from its first admission): then it ends with the tokens it has (finish_reason length) and frees its seat; <= 0: none")
     drain_timeout_s: float = key(0.0, "on SIGTERM: seconds in-flight requests may finish (new ones get 503), then they are aborted")
-    client_read_timeout_s: float = key(30.0, "seconds a client may take to send a request's headers, and between body chunks")
+    client_read_timeout_s: float = key(30.0, "seconds a client may take to send a request's headers, and between body chunks; <= 0: none")
     parse_special_tokens_in_chat: bool = key(False, "true: special-token text in chat content becomes special tokens")
     behind_router: bool = key(False, "set by serve for its dp replicas: the router's placeholder model means none")
 

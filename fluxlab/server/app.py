@@ -384,7 +384,8 @@ def _usage(prompt_tokens: int, last: RequestOutput) -> dict:
             "fluxlab": {"forwards": stats.forwards, "tokens_accepted": stats.tokens_accepted,
                         "tokens_edited": stats.tokens_edited,
                         "tokens_per_forward": round(stats.tokens_per_forward, 4),
-                        "blocks": stats.blocks_committed, "preemptions": stats.preemptions}}
+                        "blocks": stats.blocks_committed, "preemptions": stats.preemptions,
+                        "timed_out": stats.timed_out}}  # ended by server.request_timeout_s
 
 
 def _choice(fields: dict, finish_reason: Optional[str], token_ids: Optional[list[int]]) -> dict:
