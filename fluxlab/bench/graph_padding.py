@@ -43,8 +43,8 @@ def record_segments(policy: str, concurrency: int, num_prompts: int) -> tuple[li
     forwards: list[list[int]] = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(**kwargs):
+        batch = schedule(**kwargs)
         forwards.append(batch.num_blocks.tolist())
         return batch
 
