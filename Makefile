@@ -17,5 +17,7 @@ $(STAMP): pyproject.toml setup.py
 serve: install
 	$(PYTHON) -m fluxlab serve $(ARGS)
 
+# Two pytest-xdist workers, a test file each at a time (a file's servers and fixtures stay together; only
+# tests/test_front_door.py binds port 8000), one torch thread each (tests/conftest.py): ~11 min on 2 cores, not 18.
 test: install
-	$(PYTHON) -m pytest -q $(ARGS)
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile $(ARGS)

@@ -1,4 +1,12 @@
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (make test) each worker, and every server it starts, runs torch on one
+    # thread: two workers with a thread pool each on a 2-core machine made spinning threads wait
+    # on each other (a 24-token request went from 0.3 s to 10 s at load 13).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
