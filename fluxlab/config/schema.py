@@ -88,7 +88,7 @@ class DecodingConfig:
     editing_threshold: float = key(0.5, "joint_threshold: rewrite a committed token above this; 0.0 = whenever the argmax differs")
     max_post_steps: int = key(16, "joint_threshold, levenshtein_joint: editing forwards after a block is filled")
     max_steps_per_block: int = key(1000, "levenshtein_joint: hard cap on forwards per block (>= 2)")
-    # Ceilings of the per-request knobs that multiply work (decoding/knobs.py LIMITED_KNOBS): above one, a 400
+    # Ceilings of the per-request knobs that multiply work (decoding/knobs.py LIMIT_KEYS): above one, a 400
     max_post_steps_limit: Optional[int] = key(None, "most max_post_steps a request may ask for; null = decoding.max_post_steps")
     max_steps_per_block_limit: Optional[int] = key(None, "most max_steps_per_block a request may ask for; null = decoding.max_steps_per_block")
     max_denoising_steps_limit: Optional[int] = key(None, "canvas: most max_denoising_steps a request may ask for; null = decoding.max_denoising_steps, else the checkpoint's")

@@ -97,10 +97,10 @@ def _check_ceilings(dec: DictConfig, canvas: bool, name: str) -> None:
     Diffusion-Gemma checkpoint's own default is checked when the engine reads it); a limit of the
     other family's knob would bound nothing, so it is refused."""
     from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
-    from fluxlab.engine.decoding.knobs import KNOBS, LIMITED_KNOBS, limit_key, work_ceilings
+    from fluxlab.engine.decoding.knobs import KNOBS, LIMIT_KEYS, work_ceilings
 
-    for knob in LIMITED_KNOBS:
-        key, limit = limit_key(knob), dec[limit_key(knob)]
+    for knob, key in LIMIT_KEYS.items():
+        limit = dec[key]
         if limit is None:
             continue
         _check((knob in CANVAS_KNOBS) == canvas,

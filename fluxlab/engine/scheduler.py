@@ -173,18 +173,18 @@ class Scheduler:
             self.seats.detach(request)
 
     def abort(self, request: Request) -> RequestOutput:
-        self._release(request)
-        request.state = RequestState.ABORTED
-        request.finish_reason = "abort"
-        request.stats.finish_time = time.perf_counter()
-        return self._output(request)
+        return self._end(request, RequestState.ABORTED, "abort")
 
     def fail(self, request: Request, error: str) -> RequestOutput:
         """A step raised for this request alone: it ends with finish_reason "error", nobody else does."""
-        self._release(request)
-        request.state = RequestState.FINISHED
-        request.finish_reason = "error"
         request.error = error
+        return self._end(request, RequestState.FINISHED, "error")
+
+    def _end(self, request: Request, state: RequestState, finish_reason: str) -> RequestOutput:
+        """A request leaves before its decoding finished it: seat and pages freed, its output final."""
+        self._release(request)
+        request.state = state
+        request.finish_reason = finish_reason
         request.stats.finish_time = time.perf_counter()
         return self._output(request)
 
@@ -205,12 +205,8 @@ class Scheduler:
         log.warning("request %s held its seat %.1f s, past server.request_timeout_s=%g: it ends with its %d "
                     "committed tokens (finish_reason length)", request.request_id, now - request.stats.admitted_time,
                     self.request_timeout_s, len(request.output_ids))
-        self._release(request)
-        request.state = RequestState.FINISHED
-        request.finish_reason = "length"
         request.stats.timed_out = True
-        request.stats.finish_time = now
-        return self._output(request)
+        return self._end(request, RequestState.FINISHED, "length")
 
     def _start_clock(self, request: Request) -> None:
         """Admission: the request's deadline counts from its first seat (a preempted one keeps it)."""

@@ -91,15 +91,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # that add masks stop at max_steps_per_block); the canvas' early stop (stability_threshold,
 # confidence_threshold) only ends a canvas before its max_denoising_steps; top_k only narrows a draw.
 # max_tokens is bounded by model.max_model_len. server.request_timeout_s bounds the rest (time on a seat).
-LIMITED_KNOBS = ("max_post_steps", "max_steps_per_block", "max_denoising_steps")
+LIMIT_KEYS = {"max_post_steps": "max_post_steps_limit", "max_steps_per_block": "max_steps_per_block_limit",
+              "max_denoising_steps": "max_denoising_steps_limit"}  # knob -> the decoding key of its ceiling
 
 
-def limit_key(name: str) -> str:
-    """The decoding key of a limited knob's ceiling."""
-    return f"{name}_limit"
-
-
-def work_ceilings(decoding: Any, checkpoint: Optional[dict] = None, knobs: Iterable[str] = LIMITED_KNOBS
+def work_ceilings(decoding: Any, checkpoint: Optional[dict] = None, knobs: Iterable[str] = tuple(LIMIT_KEYS)
                   ) -> dict[str, int]:
     """knob -> the most a request may ask for, for each LIMITED_KNOB among `knobs` (those the model
     reads) the run has a value for: decoding.<knob>_limit, else decoding.<knob>, else `checkpoint`'s
@@ -107,17 +103,17 @@ def work_ceilings(decoding: Any, checkpoint: Optional[dict] = None, knobs: Itera
     unset is above its ceiling."""
     checkpoint = checkpoint or {}
     ceilings = {}
-    for name in (k for k in LIMITED_KNOBS if k in knobs):
+    for name in (k for k in LIMIT_KEYS if k in knobs):
         default, source = decoding.get(name), f"decoding.{name}"
         if default is None:
             default, source = checkpoint.get(name), f"the checkpoint's {name} (generation_config.json)"
-        limit = decoding.get(limit_key(name))
+        limit = decoding.get(LIMIT_KEYS[name])
         if limit is None:
             if default is not None:
                 ceilings[name] = int(default)
             continue
         if default is not None and default > limit:
-            raise ValueError(f"decoding.{limit_key(name)}={limit} is below {source}={default}, the value of every "
+            raise ValueError(f"decoding.{LIMIT_KEYS[name]}={limit} is below {source}={default}, the value of every "
                              f"request that leaves {name} unset; raise the limit or lower the default")
         ceilings[name] = int(limit)
     return ceilings
@@ -127,7 +123,7 @@ def above_ceiling(name: str, value: Any, ceiling: Optional[int]) -> Optional[str
     """Why `value` asks for too much work (None when it does not, or has no number to compare)."""
     if ceiling is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= ceiling:
         return None
-    return f"{name}={value!r} is above its ceiling {ceiling} (decoding.{limit_key(name)})"
+    return f"{name}={value!r} is above its ceiling {ceiling} (decoding.{LIMIT_KEYS[name]})"
 
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; requests take the signed int64 range (the
