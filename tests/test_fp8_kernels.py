@@ -1,0 +1,200 @@
+"""Block-scaled FP8 (fluxlab/engine/layers/fp8.py, kernels/fp8_gemm.py, kernels/fp8_moe.py).
+
+CPU: the quantizers' layout and error bounds in this process; the Triton kernels under the
+interpreter (TRITON_INTERPRET=1) in a subprocess against the dequantize -> matmul reference, fp32
+activations (the interpreter's bf16 stores do not round as torch does).
+GPU (`-m gpu`): bf16 on CUDA against the reference, bit-equal rows whatever the batch, graph replay.
+"""
+import importlib.util
+
+import pytest
+import torch
+from triton_helpers import run_interpreter_checks
+
+from fluxlab.engine.layers.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_stacked,
+                                       fp8_linear_reference, fp8_moe_reference, quantize_blocks, quantize_stacked,
+                                       quantize_token_groups)
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+E4M3_HALF_STEP = 2.0 ** -4   # 3 mantissa bits: rounding moves a normal value by at most 1/16 of it
+E4M3_SUBNORMAL_STEP = 2.0 ** -9
+
+
+def test_weight_scale_inv_has_a_scale_per_128_by_128_block():
+    q, s = quantize_blocks(torch.randn(300, 200))
+    assert q.dtype == FP8_DTYPE and q.shape == (300, 200)
+    assert s.dtype == torch.float32 and s.shape == (3, 2)
+    q, s = quantize_blocks(torch.randn(4, 256, 128))   # stacked experts: one grid per expert
+    assert s.shape == (4, 2, 1)
+
+
+def test_block_quantize_round_trip_is_within_half_an_e4m3_step():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 260, generator=gen) * torch.logspace(-3, 1, 260)[None, :]
+    w[:128, :128] = 0.0                                 # an all-zero block stays zero
+    q, s = quantize_blocks(w)
+    back = dequantize_blocks(q, s)
+    scale = s.repeat_interleave(BLOCK, 0)[:300].repeat_interleave(BLOCK, 1)[:, :260]
+    bound = torch.maximum(E4M3_HALF_STEP * w.abs(), E4M3_SUBNORMAL_STEP / 2 * scale) * (1 + 1e-6)
+    assert ((back - w).abs() <= bound).all()
+    assert (back[:128, :128] == 0).all()
+    # each block's largest magnitude lands on e4m3's largest finite value
+    assert q.float().abs().amax().item() == FP8_MAX
+    assert torch.equal(quantize_blocks(back)[0].float(), q.float())   # quantizing the dequantized is idempotent
+
+
+def test_stacked_gate_and_up_never_share_a_scale_block():
+    gen = torch.Generator().manual_seed(1)
+    gate = torch.randn(3, 40, 200, generator=gen) * 1e-3   # I = 40 < 128: one block would mix both
+    up = torch.randn(3, 40, 200, generator=gen) * 10
+    q, s = quantize_stacked(torch.cat([gate, up], dim=1), 2)
+    assert s.shape == (3, 2, 2)
+    back = dequantize_stacked(q, s, 2)
+    # one grid over both would give the gate up's scale (10 / 448 a step of ~2e-3): most gate values would be 0
+    assert ((back[:, :40] - gate).norm() / gate.norm()).item() < 0.05
+
+
+def test_activation_groups_are_quantized_per_token_and_128_columns():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 300, generator=gen)
+    x[2] *= 1000
+    x[3, 128:256] = 0.0
+    q, s = quantize_token_groups(x)
+    assert q.shape == x.shape and s.shape == (5, 3)
+    torch.testing.assert_close(s[:, 0], x[:, :128].abs().amax(1) / FP8_MAX, rtol=1e-7, atol=0)
+    assert s[3, 1].item() == pytest.approx(1e-10 / FP8_MAX) and (q[3, 128:256].float() == 0).all()
+    back = q.float() * s.repeat_interleave(BLOCK, 1)[:, :300]
+    assert ((back - x).abs() <= E4M3_HALF_STEP * x.abs() + E4M3_SUBNORMAL_STEP * s.repeat_interleave(BLOCK, 1)[:, :300]).all()
+
+
+def test_fp8_linear_stays_within_a_few_percent_of_the_full_precision_product():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 512, generator=gen).bfloat16()
+    w = torch.randn(384, 512, generator=gen) * 512 ** -0.5
+    q, s = quantize_blocks(w)
+    y = fp8_linear_reference(x, q, s)
+    assert y.dtype == torch.bfloat16 and y.shape == (16, 384)
+    exact = x.float() @ w.t()
+    assert ((y.float() - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_fp8_moe_reference_matches_the_bf16_moe_up_to_fp8_rounding():
+    from fluxlab.engine.layers.moe import moe_reference
+
+    gen = torch.Generator().manual_seed(4)
+    E, H, I, K, T = 8, 256, 128, 2, 12
+    x = torch.randn(T, H, generator=gen)
+    w_gate_up = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
+    w_down = torch.randn(E, H, I, generator=gen) * I ** -0.5
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, generator=gen) + 0.05
+    ref = moe_reference(x, idx, wts, w_gate_up, w_down)
+    got = fp8_moe_reference(x, idx, wts, *quantize_stacked(w_gate_up, 2), *quantize_blocks(w_down))
+    assert ((got - ref).norm() / ref.norm()).item() < 0.08   # two chained e4m3 GEMMs on random data: ~6%
+
+
+# ------------------------------------------------------------------------------- the Triton kernels
+
+def _moe_case(E, H, I, K, T, gen, device="cpu", dtype=torch.float32):
+    x = torch.randn(T, H, generator=gen).to(device, dtype)
+    wgu, sgu = quantize_stacked(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5, 2)
+    wd, sd = quantize_blocks(torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, generator=gen) + 0.05
+    return x, idx.to(device), wts.to(device), wgu.to(device), sgu.to(device), wd.to(device), sd.to(device)
+
+
+def _interpreter_checks() -> None:
+    """Runs in the TRITON_INTERPRET=1 subprocess."""
+    from fluxlab.kernels.fp8_gemm import fp8_matmul
+    from fluxlab.kernels.fp8_moe import FP8MoEConfig, fp8_fused_moe
+
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 64, 100), (5, 200, 300), (70, 128, 256)]:   # K tails, N tails, rows past one tile
+        x = torch.randn(m, k, generator=gen) * 3
+        q, s = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05)
+        got, want = fp8_matmul(x, q, s), fp8_linear_reference(x, q, s)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, (m, n, k)
+    # the in-kernel activation quantizer rounds as torch's cast: values just below a binade's top
+    x = torch.tensor([[31.9] + [1.0] * 127, [447.0, -0.3] + [0.0] * 126])
+    eye = torch.eye(128)
+    q, s = quantize_blocks(eye)
+    torch.testing.assert_close(fp8_matmul(x, q, s), fp8_linear_reference(x, q, s), rtol=1e-6, atol=0)
+
+    small = FP8MoEConfig(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, GROUP_M=2)
+    for E, H, I, K, T, cfg in [(8, 256, 128, 2, 5, None), (8, 200, 72, 2, 9, small),
+                               (4, 128, 256, 3, 33, FP8MoEConfig(BLOCK_M=32, BLOCK_N1=128, BLOCK_N2=128))]:
+        x, idx, wts, wgu, sgu, wd, sd = _moe_case(E, H, I, K, T, gen)
+        got = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, config=cfg)
+        want = fp8_moe_reference(x, idx, wts, wgu, sgu, wd, sd)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, (E, H, I, K, T)
+        a, b = torch.randn_like(x), torch.randn_like(x)
+        torch.testing.assert_close(fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, config=cfg, adds=(a, b)),
+                                   (got + a) + b, rtol=0, atol=0)
+    # expert parallel: ids == E are slots of another rank and add nothing
+    x, idx, wts, wgu, sgu, wd, sd = _moe_case(8, 128, 128, 2, 7, gen)
+    foreign = torch.where(idx < 4, idx, 4)
+    got = fp8_fused_moe(x, foreign, wts, wgu[:4], sgu[:4], wd[:4], sd[:4], config=small, foreign_slots=True)
+    want = fp8_moe_reference(x, foreign, wts, wgu[:4], sgu[:4], wd[:4], sd[:4])
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    print("interpreter checks ok")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_fp8_kernels_match_the_dequantize_matmul_reference_under_the_triton_interpreter():
+    run_interpreter_checks(__file__)
+
+
+# ------------------------------------------------------------------------------- GPU
+
+def _gpu_ok() -> bool:
+    return HAVE_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 2048), (2048, 2048, 4096), (37, 300, 200)])
+def test_fp8_matmul_on_gpu_matches_the_reference(m, n, k):
+    from fluxlab.kernels.fp8_gemm import fp8_matmul
+
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    q, s = quantize_blocks(torch.randn(n, k, generator=gen) * k ** -0.5)
+    want = fp8_linear_reference(x, q, s, torch.float32)
+    got = fp8_matmul(x.cuda(), q.cuda(), s.cuda(), torch.float32).cpu()
+    # fp32 out: equal activation codes leave only the fp32 summation order (a code off by one step would show)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    got16 = fp8_matmul(x.cuda(), q.cuda(), s.cuda()).cpu()
+    assert got16.dtype == torch.bfloat16 and ((got16.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
+def test_fp8_rows_do_not_depend_on_the_batch_and_replay_in_a_graph():
+    from fluxlab.kernels.fp8_gemm import fp8_matmul
+    from fluxlab.kernels.fp8_moe import fp8_fused_moe
+
+    gen = torch.Generator().manual_seed(5)
+    q, s = (t.cuda() for t in quantize_blocks(torch.randn(2048, 2048, generator=gen) * 0.02))
+    x = torch.randn(2048, 2048, generator=gen).bfloat16().cuda()
+    full = fp8_matmul(x, q, s)
+    for rows in (1, 7, 64, 513):
+        assert torch.equal(fp8_matmul(x[:rows], q, s), full[:rows])
+    x, idx, wts, wgu, sgu, wd, sd = _moe_case(256, 2048, 512, 8, 2048, gen, "cuda", torch.bfloat16)
+    full = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd)
+    for rows in (1, 32, 500):
+        assert torch.equal(fp8_fused_moe(x[:rows], idx[:rows], wts[:rows], wgu, sgu, wd, sd), full[:rows])
+    want = fp8_moe_reference(x[:64].cpu(), idx[:64].cpu(), wts[:64].cpu(), wgu.cpu(), sgu.cpu(), wd.cpu(), sd.cpu())
+    assert ((full[:64].cpu().float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    xs, ids, ws = x[:32].clone(), idx[:32].clone(), wts[:32].clone()
+    fp8_fused_moe(xs, ids, ws, wgu, sgu, wd, sd)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_fused_moe(xs, ids, ws, wgu, sgu, wd, sd)
+    xs.copy_(x[32:64]), ids.copy_(idx[32:64]), ws.copy_(wts[32:64])
+    graph.replay()
+    assert torch.equal(out, full[32:64])
+
+
+if __name__ == "__main__":
+    _interpreter_checks()
