@@ -106,7 +106,7 @@ def _moe_case(E, H, I, K, T, gen, device="cpu", dtype=torch.float32):
 
 def _interpreter_checks() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess."""
-    from fluxlab.kernels.fp8_gemm import fp8_matmul
+    from fluxlab.kernels.fp8_gemm import fp8_matmul, quantize_act
     from fluxlab.kernels.fp8_moe import FP8MoEConfig, fp8_fused_moe
 
     gen = torch.Generator().manual_seed(0)
@@ -116,14 +116,16 @@ def _interpreter_checks() -> None:
         got, want = fp8_matmul(x, q, s), fp8_linear_reference(x, q, s)
         assert ((got - want).norm() / want.norm()).item() < 1e-5, (m, n, k)
     # the in-kernel activation quantizer rounds as torch's cast: values just below a binade's top
-    x = torch.tensor([[31.9] + [1.0] * 127, [447.0, -0.3] + [0.0] * 126])
-    eye = torch.eye(128)
-    q, s = quantize_blocks(eye)
-    torch.testing.assert_close(fp8_matmul(x, q, s), fp8_linear_reference(x, q, s), rtol=1e-6, atol=0)
+    x = torch.tensor([[31.9] + [1.0] * 127, [447.0, -0.3] + [0.0] * 126, [0.0] * 128])
+    for got, want in zip(quantize_act(torch.cat([x, x * 1e-3], 1)), quantize_token_groups(torch.cat([x, x * 1e-3], 1))):
+        assert torch.equal(got.float(), want.float())
+    x = torch.randn(9, 300, generator=gen) * torch.logspace(-4, 2, 300)
+    for got, want in zip(quantize_act(x), quantize_token_groups(x)):
+        assert torch.equal(got.float(), want.float())
 
-    small = FP8MoEConfig(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, GROUP_M=2)
+    small = FP8MoEConfig(BLOCK_M=16, BLOCK_N2=64, GROUP_M=2)
     for E, H, I, K, T, cfg in [(8, 256, 128, 2, 5, None), (8, 200, 72, 2, 9, small),
-                               (4, 128, 256, 3, 33, FP8MoEConfig(BLOCK_M=32, BLOCK_N1=128, BLOCK_N2=128))]:
+                               (4, 128, 256, 3, 33, FP8MoEConfig(BLOCK_M=32, BLOCK_N2=32))]:
         x, idx, wts, wgu, sgu, wd, sd = _moe_case(E, H, I, K, T, gen)
         got = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, config=cfg)
         want = fp8_moe_reference(x, idx, wts, wgu, sgu, wd, sd)
@@ -155,15 +157,18 @@ def _gpu_ok() -> bool:
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 2048), (2048, 2048, 4096), (37, 300, 200)])
 def test_fp8_matmul_on_gpu_matches_the_reference(m, n, k):
-    from fluxlab.kernels.fp8_gemm import fp8_matmul
+    from fluxlab.kernels.fp8_gemm import fp8_matmul, quantize_act
 
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).bfloat16()
+    for got, want in zip(quantize_act(x.cuda()), quantize_token_groups(x)):   # the same codes and scales
+        assert torch.equal(got.cpu().float(), want.float())
     q, s = quantize_blocks(torch.randn(n, k, generator=gen) * k ** -0.5)
     want = fp8_linear_reference(x, q, s, torch.float32)
     got = fp8_matmul(x.cuda(), q.cuda(), s.cuda(), torch.float32).cpu()
-    # fp32 out: equal activation codes leave only the fp32 summation order (a code off by one step would show)
-    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    # fp32 out: equal activation codes leave the summation order and Hopper's fp8 MMA, which adds a
+    # 128-deep dot with fewer bits than fp32 (1.2e-4 relative seen on the H200 at BLOCK_M 64)
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
     got16 = fp8_matmul(x.cuda(), q.cuda(), s.cuda()).cpu()
     assert got16.dtype == torch.bfloat16 and ((got16.float() - want).norm() / want.norm()).item() < 1e-2
 

@@ -2,21 +2,25 @@
 
 The weight is the DeepSeek-V3 / Qwen3-FP8 layout (fluxlab/engine/layers/fp8.py): e4m3 plus fp32
 `weight_scale_inv` [ceil(N/128), ceil(K/128)]. The activations are quantized per token and 128-wide
-group *inside* the GEMM: each K-step loads a [BLOCK_M, 128] tile of x, takes its row-wise amax,
-divides by amax/448 and rounds to e4m3 in registers (`quant_tile`), then one e4m3 x e4m3 tensor-core
-dot whose fp32 result is scaled by the row's activation scale and the column's weight scale and added
-to the fp32 accumulator (DeepSeek's fp8_gemm, vLLM's w8a8_block_fp8_matmul, with the activation
-quantizer folded in). No separate quantize launch and no fp8 activation buffer: under a CUDA graph a
-launch per linear would cost more than the tile arithmetic at decode sizes.
+group by `quantize_act` (one launch, a program per row), then the GEMM walks K in steps of 128: one
+e4m3 x e4m3 tensor-core dot per step, its fp32 result scaled by the row's activation scale and the
+column's weight scale and added to the fp32 accumulator (DeepSeek's fp8_gemm, vLLM's
+w8a8_block_fp8_matmul). A fresh dot per 128-deep step also keeps Hopper's fp8 MMA, which accumulates
+with fewer bits than fp32, to 128 products (DeepSeek-V3's "promotion" interval).
+
+Quantizing the tile inside the GEMM instead (each K-step quantizing its [BLOCK_M, 128] slice of x)
+was measured on the H200 and dropped: every N-tile redoes the same quantization, and at BLOCK_M 64 the
+qkv product at 32 tokens took 0.11 ms against cuBLAS bf16's 0.006 (docs/benchmarks.md, FP8).
 
 Batch invariant and graph capturable: one tile config whatever M is, the reduction of every output
 element is the K-blocks in order into one fp32 accumulator (no split-K), and no host reads.
 
-Quantization arithmetic matches `quantize_token_groups` bit for bit: the divisions are IEEE
-(`div_rn`; Triton's plain fp32 `/` is an approximation on NVIDIA GPUs) and the cast rounds to nearest
-even. Under the interpreter (TRITON_INTERPRET=1, CPU tests) triton's fp32 -> e4m3 cast mis-rounds a
-value that rounds up into the next binade (31.82 -> 16, seen with triton 3.9), so there the rounding
-is done in fp32 first (`_round_e4m3`) and the cast only sees representable values.
+Quantization arithmetic matches `quantize_token_groups` bit for bit: per group, amax (at least
+1e-10), inv = 448 / amax and s = amax / 448 by IEEE divisions (`div_rn`; Triton's plain fp32 `/` is
+an approximation on NVIDIA GPUs), q = clamp(x * inv, -448, 448) rounded to nearest even. Under the
+interpreter (TRITON_INTERPRET=1, CPU tests) triton's fp32 -> e4m3 cast mis-rounds a value that rounds
+up into the next binade (31.82 -> 16, seen with triton 3.9), so there the rounding is done in fp32
+first (`_round_e4m3`) and the cast only sees representable values.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
-BLOCK_M, BLOCK_N, WARPS, STAGES, GROUP_M = 64, 128, 4, 3, 8
+BLOCK_M, BLOCK_N, WARPS, STAGES, GROUP_M = 64, 64, 4, 4, 8
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)
@@ -48,21 +52,34 @@ if HAVE_TRITON:
 
     @triton.jit
     def quant_tile(a, INTERPRET: tl.constexpr):
-        """a [BM, 128] -> (e4m3 [BM, 128], fp32 scales [BM]): per row, s = max(amax, 1e-10) / 448,
-        q = clamp(a / s, -448, 448) rounded to nearest even (the module doc)."""
+        """a [BM, 128] -> (e4m3 [BM, 128], fp32 scales [BM]): per row, amax = max(|a|, 1e-10),
+        s = amax / 448, q = clamp(a * (448 / amax), -448, 448) rounded to nearest even."""
         a = a.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
         s = _div(amax, 448.0, INTERPRET)
-        v = _div(a, s[:, None], INTERPRET)
+        inv = _div(tl.zeros_like(amax) + 448.0, amax, INTERPRET)
+        v = a * inv[:, None]
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)
         if INTERPRET:
             v = _round_e4m3(v)
         return v.to(tl.float8e4nv), s
 
     @triton.jit
-    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, NUM_GROUPS: tl.constexpr,
+                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        groups = tl.arange(0, NUM_GROUPS)
+        cols = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        inside = cols < K
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0)
+        q, s = quant_tile(x, INTERPRET)
+        tl.store(q_ptr + row * stride_qm + cols, q, mask=inside)
+        tl.store(s_ptr + row * stride_sm + groups, s, mask=groups * BLOCK_K < K)
+
+    @triton.jit
+    def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
+                         stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -76,7 +93,8 @@ if HAVE_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        x_ptrs = xq_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -88,32 +106,55 @@ if HAVE_TRITON:
                 k_ok = offs_k < K - kb * BLOCK_K
                 a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            a_q, a_s = quant_tile(a, INTERPRET)
+            a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
             b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
-            acc += tl.dot(a_q, b) * a_s[:, None] * b_s[None, :]
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
-    out_dtype (default x.dtype); activations quantized per token group in the kernel."""
-    if not HAVE_TRITON:
-        raise RuntimeError("fp8_matmul needs triton")
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]) per token and 128-wide group, the
+    numbers of `fluxlab.engine.layers.fp8.quantize_token_groups` (one launch, sync-free)."""
     m, k = x.shape
-    n, k_w = weight.shape
-    assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (x.shape, weight.shape, scale_inv.shape)
-    assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    num_groups = -(-k // GROUP)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_act_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+                                   NUM_GROUPS=triton.next_power_of_2(num_groups), BLOCK_K=GROUP,
+                                   INTERPRET=_interpret(), num_warps=4)
+    return q, s
+
+
+def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.Tensor,
+               out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
+    """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
+    is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
+    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages) instead of the module's
+    one config (benchmarks only: a config that changes with M would give up batch invariance)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("fp8_matmul needs triton")
+    block_m, block_n, warps, stages = tiles or (BLOCK_M, BLOCK_N, WARPS, STAGES)
+    if isinstance(x, tuple):
+        xq, xs = x
+        assert out_dtype is not None, "fp8_matmul on a quantized pair needs out_dtype"
+    else:
+        out_dtype = out_dtype or x.dtype
+        xq, xs = quantize_act(x)
+    m, k = xq.shape
+    n, k_w = weight.shape
+    assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
+    assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
-    _fp8_gemm_kernel[grid](x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0),
-                           out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=GROUP, GROUP_M=GROUP_M,
-                           EVEN_K=k % GROUP == 0, INTERPRET=_interpret(), num_warps=WARPS, num_stages=STAGES)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_gemm_kernel[grid](xq, xs, weight, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0),
+                           scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+                           GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, num_warps=warps, num_stages=stages)
     return out

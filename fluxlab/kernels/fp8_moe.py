@@ -1,16 +1,17 @@
 """Block-scaled FP8 fused MoE (Triton): kernels/fused_moe.py with e4m3 expert weights.
 
 `fp8_fused_moe(x, topk_idx, topk_weight, w_gate_up, s_gate_up, w_down, s_down)` computes what
-`fluxlab.engine.layers.fp8.fp8_moe_reference` defines, in four launches with no host sync:
+`fluxlab.engine.layers.fp8.fp8_moe_reference` defines, in six launches with no host sync:
 
 1. the align of kernels/moe_align.py (slots sorted into BLOCK_M-padded runs per expert);
-2. `_fp8_gate_up_kernel`: each K-step loads the gathered x rows [BLOCK_M, 128], quantizes them per
-   token group in registers (`fp8_gemm.quant_tile`), and takes e4m3 dots with the gate and the up
-   tiles, each scaled by its block's `weight_scale_inv`; act(gate) * up in the fp32 epilogue,
-   stored in x.dtype;
-3. `_fp8_down_kernel`: the same over the intermediate rows (quantized per token group in registers)
-   and w_down, times the routing weight, stored per token-slot;
-4. the combine of kernels/fused_moe.py (slot sum in fp32, then the shared expert and the residual).
+2. `quantize_act` (kernels/fp8_gemm.py): x per token and 128-wide group to e4m3 + scales, once;
+3. `_fp8_gate_up_kernel`: each K-step loads the gathered e4m3 x rows [BLOCK_M, 128] and their scales
+   and takes e4m3 dots with the gate and the up tiles, each scaled by its block's `weight_scale_inv`;
+   act(gate) * up in the fp32 epilogue, rounded to x.dtype, and, since a program's 128 columns are
+   one group, quantized there: the intermediate is stored as e4m3 + scales;
+4. `_fp8_down_kernel`: the same over the intermediate rows and w_down, times the routing weight,
+   stored per token-slot in x.dtype;
+5. the combine of kernels/fused_moe.py (slot sum in fp32, then the shared expert and the residual).
 
 Weights: w_gate_up [E, 2I, H] e4m3 with s_gate_up [E, 2*ceil(I/128), ceil(H/128)] (gate blocks, then
 up blocks), w_down [E, H, I] e4m3 with s_down [E, ceil(H/128), ceil(I/128)]: the checkpoint's
@@ -27,18 +28,18 @@ import os
 
 import torch
 
-from fluxlab.kernels.fp8_gemm import GROUP, quant_tile
+from fluxlab.kernels.fp8_gemm import GROUP, quant_tile, quantize_act
+from fluxlab.kernels.fused_norm import _tl_dtype
 from fluxlab.kernels.fused_moe import ACTIVATIONS, combine_slots
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, triton
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8MoEConfig:
-    BLOCK_M: int = 16
-    BLOCK_N1: int = 64    # gate/up: N = I, K = H
+    BLOCK_M: int = 16     # gate/up: N = I in tiles of 128 (one quantization group), K = H
     WARPS1: int = 4
     STAGES1: int = 3
-    BLOCK_N2: int = 64    # down: N = H, K = I
+    BLOCK_N2: int = 128   # down: N = H, K = I
     WARPS2: int = 4
     STAGES2: int = 3
     GROUP_M: int = 8
@@ -63,11 +64,13 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _fp8_gate_up_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
-                            N, TOPK, H, I, num_pid_m, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn,
-                            stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+    def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_ids_ptr, expert_ids_ptr,
+                            total_ptr, N, TOPK, H, I, num_pid_m, stride_xm, stride_xsm, stride_we, stride_wn,
+                            stride_wse, stride_wsn, stride_om, stride_osm, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                            ACT: tl.constexpr, ROUND_DT: tl.constexpr, INTERPRET: tl.constexpr):
+        # BLOCK_N == BLOCK_K: a program's columns are one 128-wide group of the intermediate, which its
+        # epilogue quantizes for the down GEMM.
         pid = tl.program_id(0)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
@@ -80,7 +83,8 @@ if HAVE_TRITON:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < I
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+            a_ptrs = xq_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+            as_ptrs = xs_ptr + tok * stride_xsm
             bg_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             bu_ptrs = bg_ptrs + I * stride_wn
             # gate rows' scale blocks, then up rows' (ceil(I/128) of each)
@@ -98,11 +102,11 @@ if HAVE_TRITON:
                     a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
                     bg = tl.load(bg_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                     bu = tl.load(bu_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                a_q, a_s = quant_tile(a, INTERPRET)
+                a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
                 s_g = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
                 s_u = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-                acc_g += tl.dot(a_q, bg) * a_s[:, None] * s_g[None, :]
-                acc_u += tl.dot(a_q, bu) * a_s[:, None] * s_u[None, :]
+                acc_g += tl.dot(a, bg) * a_s[:, None] * s_g[None, :]
+                acc_u += tl.dot(a, bu) * a_s[:, None] * s_u[None, :]
                 a_ptrs += BLOCK_K
                 bg_ptrs += BLOCK_K
                 bu_ptrs += BLOCK_K
@@ -111,14 +115,17 @@ if HAVE_TRITON:
                 h = 0.5 * acc_g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * acc_u
             else:
                 h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            # rounded to the activation dtype first, as the bf16 intermediate of the reference
+            h_q, h_s = quant_tile(h.to(ROUND_DT).to(tl.float32), INTERPRET)
             o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+            tl.store(o_ptrs, h_q, mask=valid[:, None] & n_ok[None, :])
+            tl.store(outs_ptr + offs_m.to(tl.int64) * stride_osm + pid_n, h_s, mask=valid)
 
     @triton.jit
-    def _fp8_down_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
-                         N, H, I, num_pid_m, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+                         N, H, I, num_pid_m, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+                         EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
@@ -131,6 +138,7 @@ if HAVE_TRITON:
             n_ok = offs_n < H
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+            as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
             b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             s_ptrs = ws_ptr + e * stride_wse + (offs_n // BLOCK_K) * stride_wsn
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -142,9 +150,9 @@ if HAVE_TRITON:
                     k_ok = offs_k < I - kb * BLOCK_K
                     a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                a_q, a_s = quant_tile(a, INTERPRET)
+                a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
                 s_b = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-                acc += tl.dot(a_q, b) * a_s[:, None] * s_b[None, :]
+                acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
             w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
@@ -184,20 +192,21 @@ def fp8_fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
     sorted_ids, expert_ids, total = moe_align(topk_idx, num_experts, bm)
     num_pid_m = sorted_ids.numel() // bm
     n_slots = num_tokens * top_k
-    interpret = _interpret()
 
-    inter_buf = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    _fp8_gate_up_kernel[(num_pid_m * triton.cdiv(inter, cfg.BLOCK_N1),)](
-        x, w_gate_up, s_gate_up, inter_buf, sorted_ids, expert_ids, total, n_slots, top_k, hidden, inter, num_pid_m,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), s_gate_up.stride(1),
-        inter_buf.stride(0), BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=GROUP, GROUP_M=cfg.GROUP_M,
-        EVEN_K=hidden % GROUP == 0, ACT=ACTIVATIONS[activation], INTERPRET=interpret,
-        num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+    xq, xs = quantize_act(x)
+    inter_q = torch.empty(sorted_ids.numel(), inter, dtype=torch.float8_e4m3fn, device=x.device)
+    inter_s = torch.empty(sorted_ids.numel(), nb, dtype=torch.float32, device=x.device)
+    _fp8_gate_up_kernel[(num_pid_m * nb,)](
+        xq, xs, w_gate_up, s_gate_up, inter_q, inter_s, sorted_ids, expert_ids, total, n_slots, top_k, hidden, inter,
+        num_pid_m, xq.stride(0), xs.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0),
+        s_gate_up.stride(1), inter_q.stride(0), inter_s.stride(0), BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=GROUP,
+        GROUP_M=cfg.GROUP_M, EVEN_K=hidden % GROUP == 0, ACT=ACTIVATIONS[activation], ROUND_DT=_tl_dtype(x.dtype),
+        INTERPRET=_interpret(), num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
 
     slot_out = (torch.zeros if foreign_slots else torch.empty)(n_slots, hidden, dtype=x.dtype, device=x.device)
     _fp8_down_kernel[(num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)](
-        inter_buf, w_down, s_down, slot_out, topk_weight, sorted_ids, expert_ids, total, n_slots, hidden, inter,
-        num_pid_m, inter_buf.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), s_down.stride(1),
-        slot_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=GROUP, GROUP_M=cfg.GROUP_M,
-        EVEN_K=inter % GROUP == 0, INTERPRET=interpret, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
+        inter_q, inter_s, w_down, s_down, slot_out, topk_weight, sorted_ids, expert_ids, total, n_slots, hidden, inter,
+        num_pid_m, inter_q.stride(0), inter_s.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0),
+        s_down.stride(1), slot_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=GROUP, GROUP_M=cfg.GROUP_M,
+        EVEN_K=inter % GROUP == 0, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
     return combine_slots(slot_out, top_k, adds, x.dtype)

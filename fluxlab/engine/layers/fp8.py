@@ -5,8 +5,9 @@ Layout, as the published FP8 checkpoints store it: a weight [N, K] is `weight` (
 `weight[n, k] * weight_scale_inv[n // 128, k // 128]` ("inv": the factor that undoes the
 quantizer's division). Quantizing a block divides by amax(|block|) / 448, e4m3's largest finite value.
 Activations are quantized at run time per token and 128-wide group of the reduction dimension, the
-same way (DeepSeek's `act_quant`, vLLM/SGLang's `per_token_group_quant_fp8`): s = max(amax, 1e-10) / 448,
-q = clamp(x / s, -448, 448) rounded to nearest even, all in fp32.
+same way (DeepSeek's `act_quant`, vLLM/SGLang's `per_token_group_quant_fp8`): amax = max(|x|, 1e-10),
+s = amax / 448, q = clamp(x * (448 / amax), -448, 448) rounded to nearest even, all in fp32 (a
+multiply by one reciprocal a group rather than a division an element: the kernels' arithmetic).
 
 Stacked experts keep one scale grid per stacked piece: w_gate_up [E, 2I, H] has scales
 [E, 2 * ceil(I/128), ceil(H/128)], gate blocks then up blocks, so no 128-row block mixes the two
@@ -73,8 +74,9 @@ def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     kb = num_blocks(k)
     groups = F.pad(x.float(), (0, kb * BLOCK - k)).view(m, kb, BLOCK)
-    scale = groups.abs().amax(dim=-1).clamp(min=ACT_EPS) / FP8_MAX
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    amax = groups.abs().amax(dim=-1).clamp(min=ACT_EPS)
+    scale = amax / FP8_MAX
+    q = (groups * (FP8_MAX / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, kb * BLOCK)[:, :k].contiguous(), scale
 
 
