@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from fluxlab.engine.constraint.rule import BlockGuard, apply_repair
 from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.decoding.base import DecodeBatch
 from fluxlab.engine.decoding.sampling import filtered_probs
@@ -86,6 +87,7 @@ class RowArrays:
     full_index: Optional[np.ndarray] = None  # [F * bl] their flat token indices
     decoders: Optional[list[str]] = None
     owners: Optional[np.ndarray] = None  # [R, 2] (request serial, active block)
+    constrained: Optional[np.ndarray] = None  # [C] decoding rows with a grammar (engine/constraint)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class DecodeInputs:
     log_len: np.ndarray  # [R] rows each row's decoder has logged in this block (its host log's length)
     decoders: list[str]  # decoders present in the batch
     owners: np.ndarray  # [R, 2] (request serial, active block): the step state a seat must hold
+    constrained: np.ndarray  # [C] rows with a grammar: the block-aware rule runs on them (engine/constraint/rule.py)
 
 
 class ModelRunner:
@@ -253,7 +256,7 @@ class ModelRunner:
             logit_index = np.concatenate([logit_index, rows.full_index])
         inputs.logit_index, inputs.num_greedy = logit_index, len(greedy_target)
         return DecodeInputs(rows.requests, rows.seat, rows.block_index, greedy_target, rows.full_rows,
-                            batch.seats.log_len[rows.seat], rows.decoders, rows.owners)
+                            batch.seats.log_len[rows.seat], rows.decoders, rows.owners, rows.constrained)
 
     def _row_arrays(self, batch: ScheduledBatch) -> "RowArrays":
         bl = self.block_length
@@ -302,6 +305,7 @@ class ModelRunner:
         if edits.any():
             rows.greedy_always = rows.greedy_if_masked & edits[:, None]
         rows.full_rows = full.nonzero()[0]
+        rows.constrained = seats.constrained[seat].nonzero()[0]
         rows.full_index = block_index.reshape(seat.shape[0], bl)[rows.full_rows].ravel()
         rows.decoders = sorted(seats.decoder_names[i] for i in set(seats.decoder_id[seat].tolist()))
         rows.owners = owners = np.empty((seat.shape[0], 2), dtype=np.int64)  # (3x faster than np.stack)
@@ -420,6 +424,11 @@ class ModelRunner:
             conf.index_copy_(0, greedy_target, greedy_conf)
         tokens, conf = tokens.view(num, bl), conf.view(num, bl)
         full_logits = logits.view(len(inputs.full_rows), bl, -1) if len(inputs.full_rows) else None
+        guard = None
+        if inputs.constrained.shape[0]:  # grammar rows (all full-logit rows): the mask before any proposal
+            constrained_blocks = block[torch.as_tensor(inputs.constrained, device=block.device)].cpu().numpy()
+            guard = BlockGuard(inputs.requests, inputs.constrained, constrained_blocks, self.mask_id)
+            guard.mask_logits(full_logits, inputs.full_rows)
         for j, r in enumerate(inputs.full_rows.tolist()):
             request = inputs.requests[r]
             p = request.params
@@ -432,6 +441,8 @@ class ModelRunner:
         knobs, decoder_ids, prompt_len, state = state_store.gather(slots)
         editable = torch.arange(bl, device=self.device)[None, :] >= prompt_len[:, None]
         masked = (block == self.mask_id) & editable  # a literal mask token in the prompt is prompt text
+        if guard is not None:
+            guard.greedy_proposals(tokens, conf, full_logits, inputs.full_rows, masked, editable)
         present = [DECODERS[name] for name in inputs.decoders]
         # a logging decoder reads its rows' history up to the longest log in the batch, plus the row it appends
         history = (state_store.gather_history(slots, int(inputs.log_len.max()) + 1)
@@ -442,6 +453,8 @@ class ModelRunner:
                             columns=state_store.gather_columns(slots, columns), history=history,
                             history_len=log_len, logits=full_logits, logit_rows=full_rows, special=self.special)
         result = decode(batch, decoder_ids, inputs.decoders)
+        if guard is not None:
+            apply_repair(guard, result, decoder_ids)
         state_store.store(slots, result.state, result.columns, result.log, result.logged, log_len)
         names = state_store.state_names
         parts = ([result.block, result.filled[:, None], result.edited[:, None], result.final[:, None].long()]

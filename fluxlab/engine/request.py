@@ -5,7 +5,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from fluxlab.engine.constraint import Grammar
 
 class InvalidRequest(ValueError):
     """Bad client input; `param` names the offending field (OpenAI error shape)."""
@@ -46,6 +49,8 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Structured output (docs/structured_output.md): every committed prefix stays a valid prefix of it.
+    grammar: Optional["Grammar"] = None
 
     def resolve(self, decoding: Any, default_max_new_tokens: int, engine_seed: int = 0) -> "SamplingParams":
         """Fill the Nones from the engine config and check every value; raises InvalidRequest
@@ -77,12 +82,30 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens={p.max_new_tokens} must be an integer >= 1", "max_tokens")
         if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not -SEED_MAX - 1 <= p.seed <= SEED_MAX:
             raise InvalidRequest(f"seed={p.seed} must be an integer in [-2**63, 2**63 - 1]", "seed")
+        if p.grammar is not None:
+            check_grammar(p)
         return p
 
     @property
     def effective_steps(self) -> int:
         """Transfer-schedule steps per block: min(steps, max_new_tokens) (published LLaDA2.0 rule)."""
         return min(self.steps, self.max_new_tokens)
+
+
+def check_grammar(p: SamplingParams) -> None:
+    """A grammar the engine can hold, on a decoder it can constrain; InvalidRequest names `grammar`."""
+    from fluxlab.engine.constraint import Grammar
+
+    if not isinstance(p.grammar, Grammar):
+        raise InvalidRequest(f"grammar={p.grammar!r} must be a fluxlab Grammar", "grammar")
+    if p.decoder == "canvas":
+        raise InvalidRequest("structured output is not available for decoder=canvas (Diffusion-Gemma) yet", "grammar")
+    if p.ignore_eos:
+        raise InvalidRequest("ignore_eos cannot be combined with a grammar: EOS is where the grammar may end",
+                             "ignore_eos")
+    problem = p.grammar.problem()
+    if problem:
+        raise InvalidRequest(problem, "grammar")
 
 
 class RequestState(enum.Enum):

@@ -59,7 +59,8 @@ class Seats:
         self.num_prompt_tokens = np.zeros(num_seats, dtype=np.int64)
         self.decoder_id = np.zeros(num_seats, dtype=np.int64)  # index in DECODERS
         self.edits = np.zeros(num_seats, dtype=bool)  # the decoder rewrites non-mask positions
-        self.full_logits = np.zeros(num_seats, dtype=bool)  # sampled, or a needs_logits decoder
+        self.full_logits = np.zeros(num_seats, dtype=bool)  # sampled, a needs_logits decoder, or constrained
+        self.constrained = np.zeros(num_seats, dtype=bool)  # holds a grammar constraint (engine/constraint)
         self.pages = pages  # [seats, max_blocks] the block manager's mirror of each seat's page table
 
     # --- a request takes and leaves a seat ---
@@ -86,7 +87,8 @@ class Seats:
         self.num_prompt_tokens[seat] = request.num_prompt_tokens
         self.decoder_id[seat] = self.decoder_names.index(decoder.name)
         self.edits[seat] = decoder.edits
-        self.full_logits[seat] = request.params.temperature > 0 or decoder.needs_logits
+        self.constrained[seat] = request.constraint is not None
+        self.full_logits[seat] = request.params.temperature > 0 or decoder.needs_logits or self.constrained[seat]
         self.requests[seat] = request
         self.serial[seat] = request.serial
         request.seat_in(self, seat)

@@ -95,6 +95,7 @@ class Request:
         self.detokenizer = None  # set by the engine when stop strings need the text
         self.last_scheduled_step = -1
         self.generator: Optional[torch.Generator] = None  # created by the decode step when sampling
+        self.constraint = None  # engine/constraint Constraint of params.grammar (Scheduler.add makes it)
 
     # --- seat ---
     def seat_in(self, seats, seat: int) -> None:

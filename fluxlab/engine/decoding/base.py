@@ -68,6 +68,9 @@ class Decoder:
     needs_logits: ClassVar[bool] = False  # reads full-vocabulary logits of its rows' blocks (DecodeBatch.logits)
     greedy_only: ClassVar[bool] = False  # temperature > 0 is refused
     special_ids: ClassVar[tuple[str, ...]] = ()  # checkpoint token ids it needs (SpecialIds field names)
+    # State values that open a block again: a grammar constraint (engine/constraint/rule.py) that takes
+    # a token back leaves masks in a block this decoder may have called done.
+    reopened_state: ClassVar[dict[str, int]] = {}
 
     def step(self, batch: DecodeBatch) -> DecoderStep:
         """The whole rule for one forward. The default is accept (which masks to fill, which tokens

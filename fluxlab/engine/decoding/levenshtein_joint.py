@@ -255,6 +255,7 @@ class LevenshteinJoint(Decoder):
     state = ("step", "post_steps", "num_initial", "finalized")
     columns = ("orig_mask",)
     logs = True  # the written blocks, for the anti-loop's exact-repeat check
+    reopened_state = {"finalized": 0}  # a finalized row changes nothing more: masks a grammar left need rounds
 
     def step(self, batch: DecodeBatch) -> DecoderStep:
         rows = batch.logit_rows

@@ -1,0 +1,59 @@
+"""What a request asks its output to match, as plain data (it crosses the engine-process boundary):
+a kind and its source text. llguidance compiles it; nothing here is a hand-written JSON-schema
+translator."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# json_object: any JSON object (OpenAI's response_format {"type": "json_object"}).
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+
+# Compact JSON: no whitespace between tokens. With flexible whitespace a model (a random one at
+# least) may spend its whole budget on spaces and newlines that every parser ignores anyway.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    kind: str  # one of GRAMMAR_KINDS
+    source: str = ""  # the schema as JSON text, the regex, or the Lark grammar ("" for json_object)
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> "Grammar":
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    def compile(self) -> str:
+        """The llguidance grammar (a JSON string) of this request; ValueError for an unknown kind or a
+        schema that is not a JSON object."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if self.kind == "json_schema":
+            schema = json.loads(self.source)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be a JSON object")
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.source)
+        raise ValueError(f"unknown grammar kind {self.kind!r}; use one of {', '.join(GRAMMAR_KINDS)}")
+
+    def problem(self) -> Optional[str]:
+        """Why this grammar cannot be used (None when it can): a bad kind, bad JSON, an unsupported or
+        invalid schema, regex or Lark text, as llguidance reports it."""
+        from llguidance import LLMatcher
+
+        if self.kind not in GRAMMAR_KINDS:
+            return f"unknown grammar kind {self.kind!r}; use one of {', '.join(GRAMMAR_KINDS)}"
+        if not isinstance(self.source, str):
+            return f"the {self.kind} grammar must be a string"
+        try:
+            compiled = self.compile()
+        except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+            return f"invalid {self.kind}: {err}"
+        error = LLMatcher.validate_grammar(compiled)
+        return f"invalid {self.kind}: {error}" if error else None
