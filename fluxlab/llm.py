@@ -41,7 +41,7 @@ class LLM:
         return llm
 
     def _init(self, cfg: DictConfig) -> None:
-        from fluxlab.engine.llm_engine import make_engine
+        from fluxlab.engine.factory import make_engine
 
         self.cfg = cfg
         self.engine = make_engine(cfg)

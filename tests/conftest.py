@@ -22,7 +22,7 @@ def tiny_model(tiny_ckpt):
     """(model, config) of the tiny checkpoint in fp32 on CPU."""
     import torch
 
-    from fluxlab.engine.loader import load_model
+    from fluxlab.models.llada2.loader import load_model
 
     return load_model(tiny_ckpt, torch.float32, "cpu", progress=False)
 

@@ -39,10 +39,10 @@ def test_random_weights_build_the_preset_shapes(monkeypatch):
 
     import torch
 
-    from fluxlab.engine import presets_diffusion_gemma as presets
-    from fluxlab.engine.canvas_runner import kv_shapes
-    from fluxlab.engine.models.diffusion_gemma import DiffusionGemmaModel
-    from fluxlab.engine.models.diffusion_gemma_attention import CanvasSegment, DenseCanvasAttention, DenseKV
+    from fluxlab.models.diffusion_gemma import presets as presets
+    from fluxlab.models.diffusion_gemma.runner import kv_shapes
+    from fluxlab.models.diffusion_gemma.model import DiffusionGemmaModel
+    from fluxlab.models.diffusion_gemma.attention import CanvasSegment, DenseCanvasAttention, DenseKV
 
     text = presets.preset_text_config("diffusion_gemma_26b_a4b")
     assert text.layer_types.count("full_attention") == 5 and text.layer_types[-1] == "full_attention"

@@ -69,8 +69,8 @@ def fused_and_unfused_writes(device: torch.device, dtype: torch.dtype, seed: int
     from fluxlab.engine.layers.attention_triton import TritonAttention
     from fluxlab.engine.layers.rotary import PartialRotary
     from fluxlab.engine.layers.segments import Segments
-    from fluxlab.engine.models import llada2_moe
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeAttention, LLaDA2MoeConfig
+    from fluxlab.models.llada2 import model as llada2_moe
+    from fluxlab.models.llada2.model import LLaDA2MoeAttention, LLaDA2MoeConfig
 
     class Forward:  # the backend without kv_rows/attend: the model takes the qk_norm_rope + forward path
         def __init__(self, backend):

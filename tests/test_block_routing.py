@@ -170,7 +170,7 @@ def test_triton_fused_moe_agrees_on_block_routed_choices():
 @pytest.fixture(scope="module")
 def llada22(tmp_path_factory):
     from fluxlab.checkpoint import ensure_tiny_checkpoint
-    from fluxlab.engine.loader import load_model
+    from fluxlab.models.llada2.loader import load_model
 
     path = ensure_tiny_checkpoint(tmp_path_factory.mktemp("cache22"), preset="tiny_llada22")
     model, config = load_model(path, torch.float32, "cpu", progress=False)

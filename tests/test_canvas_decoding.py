@@ -9,7 +9,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     EntropyBoundSampler, EntropyBoundSamplerConfig, LinearTemperatureScheduleLogitsProcessor,
     StableAndConfidentStoppingCriteria)
 
-from fluxlab.engine.decoding.canvas import CanvasKnobs, CanvasState, canvas_step
+from fluxlab.models.diffusion_gemma.decoding import CanvasKnobs, CanvasState, canvas_step
 
 L, V = 6, 50
 

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
-from fluxlab.checkpoint_diffusion_gemma import CANVAS_LENGTH as L
-from fluxlab.engine.decoding.canvas import CanvasKnobs, read_generation_defaults
-from fluxlab.engine.reference_canvas import generate_canvases
+from fluxlab.models.diffusion_gemma.checkpoint import CANVAS_LENGTH as L
+from fluxlab.models.diffusion_gemma.decoding import CanvasKnobs, read_generation_defaults
+from fluxlab.models.diffusion_gemma.reference import generate_canvases
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.llm import LLM
 
@@ -35,7 +35,7 @@ def llm(one_thread) -> LLM:
 def hf(llm):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from fluxlab.engine.canvas_engine import canvas_model_dir
+    from fluxlab.models.diffusion_gemma.engine import canvas_model_dir
 
     path = canvas_model_dir(llm.engine.cfg.model)
     return DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -207,7 +207,7 @@ def test_a_failed_step_is_retried_with_the_same_draws(hf, monkeypatch):
     """A step that raises after the sampler drew (here: the device->host copy of one batch) is
     retried row by row; each request's generator was rewound, so tokens still equal transformers'."""
     llm = engine_llm("scheduler.max_num_seqs=3")
-    import fluxlab.engine.canvas_runner as canvas_runner
+    import fluxlab.models.diffusion_gemma.runner as canvas_runner
 
     real_step, failed = canvas_runner.canvas_step, []
 

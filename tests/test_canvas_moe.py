@@ -14,7 +14,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _experts(num_experts: int, hidden: int, inter: int, dtype, device, gen):
-    from fluxlab.engine.models.diffusion_gemma_layers import GemmaExperts
+    from fluxlab.models.diffusion_gemma.layers import GemmaExperts
 
     experts = GemmaExperts(num_experts, hidden, inter).to(device=device)
     with torch.no_grad():

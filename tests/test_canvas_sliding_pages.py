@@ -1,5 +1,5 @@
 """Diffusion-Gemma's sliding layers keep a ring of ceil(window / L) + 1 pages per request
-(fluxlab/engine/canvas_pages.py): tokens still equal transformers' generate, no request ever holds
+(fluxlab/models/diffusion_gemma/pages.py): tokens still equal transformers' generate, no request ever holds
 more, every page of both pools comes back (also under preemption and a failed step), and the
 pools are sized per layer type."""
 from __future__ import annotations
@@ -10,17 +10,17 @@ import pytest
 import torch
 from test_canvas_engine import L, cases, check, engine_llm, prompt_ids
 
-import fluxlab.engine.canvas_runner as canvas_runner
-from fluxlab.engine.canvas_attention import CanvasKVCache
-from fluxlab.engine.canvas_pages import sliding_ring_size
-from fluxlab.engine.canvas_runner import kv_shapes
+import fluxlab.models.diffusion_gemma.runner as canvas_runner
+from fluxlab.models.diffusion_gemma.paged_attention import CanvasKVCache
+from fluxlab.models.diffusion_gemma.pages import sliding_ring_size
+from fluxlab.models.diffusion_gemma.runner import kv_shapes
 
 
 @pytest.fixture(scope="module")
 def hf(one_thread):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from fluxlab.engine.canvas_engine import canvas_model_dir
+    from fluxlab.models.diffusion_gemma.engine import canvas_model_dir
 
     path = canvas_model_dir(engine_llm().engine.cfg.model)
     return DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -115,7 +115,7 @@ def test_pools_are_sized_per_layer_type():
 
 def test_documented_memory_of_an_8k_request_at_26b_a4b():
     """docs/diffusion_gemma.md: 1.72 GiB before (every layer a page per canvas), 0.40 GiB after."""
-    from fluxlab.engine import presets_diffusion_gemma as presets
+    from fluxlab.models.diffusion_gemma import presets as presets
 
     config = presets.preset_text_config("diffusion_gemma_26b_a4b")
     shapes, sliding = kv_shapes(config), [t == "sliding_attention" for t in config.layer_types]

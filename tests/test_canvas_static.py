@@ -33,7 +33,7 @@ def count_static_steps(llm: LLM, monkeypatch) -> list[tuple[int, int, int]]:
 def hf(one_thread):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from fluxlab.checkpoint_diffusion_gemma import PRESET
+    from fluxlab.models.diffusion_gemma.checkpoint import PRESET
     from fluxlab.checkpoint import ensure_tiny_checkpoint
 
     path = ensure_tiny_checkpoint(preset=PRESET)
@@ -148,7 +148,7 @@ def test_decode_graph_keys_are_honoured_or_refused_by_name():
 
 
 def test_row_ladder_and_key_buckets():
-    from fluxlab.engine.canvas_graphs import denoise_row_sizes
+    from fluxlab.models.diffusion_gemma.graphs import denoise_row_sizes
 
     assert denoise_row_sizes([1, 16, 64], 4) == [1] + list(range(4, 65, 4))
     assert denoise_row_sizes([1, 2], 4) == [1, 2]

@@ -95,7 +95,7 @@ def test_canvas_stats_on_the_26b_vocabulary():
 def test_denoise_step_through_the_kernel_matches_the_torch_ops():
     """Same raw logits, same generators: the kernel path and the torch path accept the same
     positions and draw the same noise (probabilities within fp32 rounding)."""
-    from fluxlab.engine.decoding.canvas import CanvasStepInputs, denoise_step
+    from fluxlab.models.diffusion_gemma.decoding import CanvasStepInputs, denoise_step
 
     R, L, V, device = 3, 16, 4096, torch.device("cuda")
     g = torch.Generator(device=device).manual_seed(1)

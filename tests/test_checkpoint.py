@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from fluxlab.checkpoint import ensure_tiny_checkpoint, write_checkpoint
 from fluxlab.engine.layers.attention_dense import DenseBlockCausalAttention
-from fluxlab.engine.loader import build_random_model, load_model, read_config, special_token_ids
+from fluxlab.models.llada2.loader import build_random_model, load_model, read_config
+from fluxlab.models.llada2.special_ids import special_token_ids
 
 
 def _logits(model, ids):
@@ -87,7 +88,9 @@ def test_save_load_round_trip_gives_identical_logits(tiny_ckpt, tiny_model):
 
 def test_sharded_and_bf16_checkpoints_load(tmp_path, tiny_model):
     model, config = tiny_model
-    sharded = write_checkpoint("tiny", tmp_path / "sharded", shard=True)
+    from fluxlab.models.llada2.checkpoint import write_checkpoint as write_llada2_checkpoint
+
+    sharded = write_llada2_checkpoint("tiny", tmp_path / "sharded", shard=True)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     m2, _ = load_model(sharded, torch.float32, progress=False)
@@ -160,9 +163,9 @@ def test_fluxlab_cache_env_sets_default_cache(tmp_path, monkeypatch):
 
 def test_random_model_of_published_shape_builds_on_meta_free_path():
     # The big presets' layouts are exact; check shapes without allocating 16B parameters.
-    from fluxlab.engine.loader import checkpoint_layout
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
-    from fluxlab.engine.presets import preset_config
+    from fluxlab.models.llada2.loader import checkpoint_layout
+    from fluxlab.models.llada2.model import LLaDA2MoeConfig
+    from fluxlab.models.llada2.presets import preset_config
 
     c = LLaDA2MoeConfig.from_dict(preset_config("llada2_mini"))
     layout = checkpoint_layout(c)
@@ -190,7 +193,8 @@ def test_build_random_tiny_equals_the_written_checkpoint(tiny_model):
 def test_published_presets_use_released_special_ids(tmp_path):
     from transformers import AutoTokenizer
 
-    from fluxlab.checkpoint import _RELEASED_SPECIAL_IDS, _tokenizer_files, preset_checkpoint_config
+    from fluxlab.models.llada2.checkpoint import _RELEASED_SPECIAL_IDS, preset_checkpoint_config
+    from fluxlab.checkpoint import _tokenizer_files
 
     cfg, ids = preset_checkpoint_config("llada2_mini", "bfloat16")
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (157184, 2048, 20)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from fluxlab.checkpoint import write_checkpoint
-from fluxlab.checkpoint_diffusion_gemma import CANVAS_LENGTH, SLIDING_WINDOW
-from fluxlab.engine.diffusion_gemma_loader import load_diffusion_gemma, read_text_config
-from fluxlab.engine.models.diffusion_gemma import DiffusionGemmaModel
-from fluxlab.engine.models.diffusion_gemma_attention import CanvasSegment, DenseCanvasAttention, DenseKV
+from fluxlab.models.diffusion_gemma.checkpoint import CANVAS_LENGTH, SLIDING_WINDOW
+from fluxlab.models.diffusion_gemma.loader import load_diffusion_gemma, read_text_config
+from fluxlab.models.diffusion_gemma.model import DiffusionGemmaModel
+from fluxlab.models.diffusion_gemma.attention import CanvasSegment, DenseCanvasAttention, DenseKV
 
 TOL = 2e-5  # fp32 rounding; a wrong mask, norm or RoPE dim moves these by >1e-3 (see the window test)
 

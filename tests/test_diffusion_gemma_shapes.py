@@ -239,7 +239,7 @@ def test_a_tied_checkpoint_whose_copies_differ_is_refused(tmp_path):
     cannot hold both, so the loader names it instead of keeping either silently."""
     from safetensors.torch import load_file, save_file
 
-    from fluxlab.engine.diffusion_gemma_loader import load_diffusion_gemma
+    from fluxlab.models.diffusion_gemma.loader import load_diffusion_gemma
 
     shape = next(s for s in SHAPES if s.tie and s.text["num_hidden_layers"] == 2)
     path = write_checkpoint(shape, tmp_path / "tied")
@@ -253,7 +253,7 @@ def test_a_tied_checkpoint_whose_copies_differ_is_refused(tmp_path):
 
 
 def test_a_canvas_length_other_than_the_checkpoints_is_flagged(tmp_path, caplog):
-    from fluxlab.engine.canvas_engine import _warn_on_canvas_mismatch
+    from fluxlab.models.diffusion_gemma.engine import _warn_on_canvas_mismatch
 
     (tmp_path / "config.json").write_text('{"model_type": "diffusion_gemma", "canvas_length": 16}')
     with caplog.at_level("WARNING", logger="fluxlab.engine"):

@@ -73,7 +73,7 @@ def test_block_diffusion_mask_follows_the_published_rules():
 def test_training_forward_is_the_engines_forward():
     """Training runs the engine's own modules: its forward (either MoE path) equals the model's."""
     from fluxlab.engine.layers.attention_dense import DenseBlockCausalAttention, block_causal_mask
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeSparseMoeBlock
+    from fluxlab.models.llada2.model import LLaDA2MoeSparseMoeBlock
     from fluxlab.train.objective import TrainingAttention, dense_moe, hidden_states
     from fluxlab.train.train import build_model, model_config
 
@@ -121,8 +121,9 @@ def test_speed_preset_edits_tokens_on_the_shipped_model(held_out_prompts, one_th
     from fluxlab.bench.run import request_knobs
     from fluxlab.bench.workload import BenchPrompt
     from fluxlab.engine.chat import render_chat
-    from fluxlab.engine.loader import load_model, special_token_ids
-    from fluxlab.engine.reference import reference_generate
+    from fluxlab.models.llada2.loader import load_model
+    from fluxlab.models.llada2.special_ids import special_token_ids
+    from fluxlab.models.llada2.reference import reference_generate
 
     model, _ = load_model(MODEL_DIR, torch.float32, "cpu", progress=False)
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fluxlab.engine.reference import reference_generate
+from fluxlab.models.llada2.reference import reference_generate
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.llm import LLM
 

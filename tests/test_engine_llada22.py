@@ -8,7 +8,7 @@ import functools
 import pytest
 
 import fluxlab.engine.decoding.levenshtein_joint as lj
-from fluxlab.engine.reference import reference_generate
+from fluxlab.models.llada2.reference import reference_generate
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.llm import LLM
 from test_engine import prompts

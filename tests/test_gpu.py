@@ -20,8 +20,8 @@ def test_flashinfer_matches_sdpa_on_random_paged_inputs():
     from fluxlab.engine.layers.attention import KVCache, SdpaAttention, build_metadata
     from fluxlab.engine.layers.attention_flashinfer import FlashInferAttention
     from fluxlab.engine.layers.segments import Segments
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
-    from fluxlab.engine.presets import preset_config
+    from fluxlab.models.llada2.model import LLaDA2MoeConfig
+    from fluxlab.models.llada2.presets import preset_config
 
     device, bl = torch.device("cuda"), 32
     config = LLaDA2MoeConfig.from_dict(preset_config("small"))

@@ -1,5 +1,5 @@
 """levenshtein_joint (DESIGN §5): hand-made logits drive each numbered rule through the device step,
-and the device step equals the plain reference block (fluxlab/engine/reference_llada22.py) step by
+and the device step equals the plain reference block (fluxlab/models/llada2/reference_llada22.py) step by
 step on random logits."""
 import math
 
@@ -8,7 +8,7 @@ import torch
 
 from fluxlab.engine.decoding.levenshtein_joint import (LevenshteinKnobs, LevenshteinState, edit_scan,
                                                        levenshtein_step)
-from fluxlab.engine.reference_llada22 import LevenshteinBlock
+from fluxlab.models.llada2.reference_llada22 import LevenshteinBlock
 
 V = 12
 MASK, DELETE, SPLIT = 9, 10, 11

@@ -6,10 +6,12 @@ import sys
 import pytest
 import torch
 
-from fluxlab.checkpoint import ensure_tiny_checkpoint, preset_checkpoint_config
+from fluxlab.checkpoint import ensure_tiny_checkpoint
+from fluxlab.models.llada2.checkpoint import preset_checkpoint_config
 from fluxlab.config import compose
-from fluxlab.engine.loader import build_random_model, load_model, read_config, special_ids, special_token_ids
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, check_block_length
+from fluxlab.models.llada2.loader import build_random_model, load_model, read_config
+from fluxlab.models.llada2.special_ids import special_ids, special_token_ids
+from fluxlab.models.llada2.model import LLaDA2MoeConfig, check_block_length
 
 
 @pytest.fixture(scope="module")

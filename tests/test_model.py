@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from fluxlab.engine.layers.attention_dense import DenseBlockCausalAttention
 from fluxlab.engine.layers.moe import moe_forward, moe_reference, route
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+from fluxlab.models.llada2.model import LLaDA2MoeConfig
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -50,8 +50,8 @@ def test_registry_keys_on_architectures_then_model_type_and_tells_llada22_by_blo
 
 
 def test_every_preset_belongs_to_the_family_its_shapes_say():
-    from fluxlab.checkpoint_diffusion_gemma import PRESET
-    from fluxlab.engine.presets import PRESETS
+    from fluxlab.models.diffusion_gemma.checkpoint import PRESET
+    from fluxlab.models.llada2.presets import PRESETS
 
     for name, config in PRESETS.items():
         assert name in family_of_config(config).presets

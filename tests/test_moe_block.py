@@ -21,7 +21,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def small_config():
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+    from fluxlab.models.llada2.model import LLaDA2MoeConfig
 
     return LLaDA2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
                            n_group=4, topk_group=2, num_experts_per_tok=4, moe_intermediate_size=32,
@@ -31,7 +31,7 @@ def small_config():
 def stacked_and_plain(block, x, residual, expect_stacked: bool = True):
     """(output with the stack, output without it) with the fused kernels forced on; the first call
     must (not) take the stacked path."""
-    from fluxlab.engine.models import llada2_moe
+    from fluxlab.models.llada2 import model as llada2_moe
 
     with mock.patch.object(llada2_moe, "use_fused", lambda t: True), \
             mock.patch.object(llada2_moe, "mm_fp32_out_works", lambda d: True), \
@@ -48,7 +48,7 @@ def stacked_and_plain(block, x, residual, expect_stacked: bool = True):
 
 
 def _interpreter_checks() -> None:
-    from fluxlab.engine.loader import build_random_model
+    from fluxlab.models.llada2.loader import build_random_model
 
     model, c = build_random_model(small_config(), dtype=torch.float32, seed=3)
     block = model.layers[1].mlp
@@ -67,7 +67,7 @@ def _interpreter_checks() -> None:
         torch.testing.assert_close(flipped, want_flipped, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(flipped, got)
     # LLaDA2.2 block routing (expert pools per routing block) takes the stacked GEMM's logits too
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+    from fluxlab.models.llada2.model import LLaDA2MoeConfig
 
     pooled = LLaDA2MoeConfig(**{**small_config().to_dict(), "expert_capacity": 6, "block_size": 8})
     pooled_block = build_random_model(pooled, dtype=torch.float32, seed=4)[0].layers[1].mlp
@@ -90,7 +90,7 @@ def test_stacked_weight_under_the_triton_interpreter():
 
 def test_tensor_parallel_and_no_shared_expert_have_no_stack():
     from fluxlab.engine.layers.linear import ParallelDims
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeSparseMoeBlock
+    from fluxlab.models.llada2.model import LLaDA2MoeConfig, LLaDA2MoeSparseMoeBlock
 
     c = small_config()
     assert LLaDA2MoeSparseMoeBlock(c, torch.float32).stacked is not None
@@ -103,8 +103,8 @@ def test_tensor_parallel_and_no_shared_expert_have_no_stack():
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 @pytest.mark.parametrize("num_tokens", [32, 2048])
 def test_stacked_block_gives_the_unstacked_output_on_gpu(num_tokens):
-    from fluxlab.engine.loader import build_random_model
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
+    from fluxlab.models.llada2.loader import build_random_model
+    from fluxlab.models.llada2.model import LLaDA2MoeConfig
 
     c = LLaDA2MoeConfig(num_hidden_layers=2, vocab_size=1024)  # LLaDA2.0-mini's layer shapes
     model, _ = build_random_model(c, dtype=torch.bfloat16, device="cuda", seed=1)

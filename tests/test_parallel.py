@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fluxlab.engine.model_runner import StepInputs
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, check_parallel
+from fluxlab.models.llada2.model import LLaDA2MoeConfig, check_parallel
 from fluxlab.engine.request import SamplingParams
 from fluxlab.llm import LLM
 

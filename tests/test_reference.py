@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fluxlab.engine.loader import special_token_ids
-from fluxlab.engine.reference import reference_generate, sample_tokens, transfer_schedule
+from fluxlab.models.llada2.special_ids import special_token_ids
+from fluxlab.models.llada2.reference import reference_generate, sample_tokens, transfer_schedule
 
 CHAT_PROMPTS = ["What is the capital of France?", "Alice has 5 apples and buys 7 more. How many apples?",
                 "Write a short poem about the ocean.", "Hello!", "Summarize the story in two sentences.",
@@ -209,7 +209,7 @@ def test_block_aligned_prompt_starts_with_an_all_mask_block(setup):
 
 
 def test_hierarchy_rule_one_per_masked_run_plus_confident_plus_best():
-    from fluxlab.engine.reference import _hierarchy_choice
+    from fluxlab.models.llada2.reference import _hierarchy_choice
 
     masked = [True, True, False, True, True, True, False, True]
     conf = [0.2, 0.4, 0.99, 0.35, 0.35, 0.1, 0.5, 0.95]

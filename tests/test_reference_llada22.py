@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from fluxlab.engine.reference import reference_generate
-from fluxlab.engine.reference_llada22 import reference_generate_llada22
+from fluxlab.models.llada2.reference import reference_generate
+from fluxlab.models.llada2.reference_llada22 import reference_generate_llada22
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -16,7 +16,8 @@ def tiny22(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from fluxlab.checkpoint import ensure_tiny_checkpoint
-    from fluxlab.engine.loader import load_model, special_ids
+    from fluxlab.models.llada2.loader import load_model
+    from fluxlab.models.llada2.special_ids import special_ids
 
     path = ensure_tiny_checkpoint(tmp_path_factory.mktemp("cache22"), preset="tiny_llada22")
     model, _ = load_model(path, torch.float32, "cpu", progress=False)

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from fluxlab.bench.roofline import _num, decode_floor, experts_hit, forward_kind, serial_floor
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
-from fluxlab.engine.presets import PRESETS
+from fluxlab.models.llada2.model import LLaDA2MoeConfig
+from fluxlab.models.llada2.presets import PRESETS
 
 CEILINGS = {"hbm_bytes_per_s": 4.0e12, "bf16_flops_per_s": 800e12}
 H, V, EXPERT = 2048, 157184, 3 * 2048 * 512

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
+from fluxlab.models.diffusion_gemma.decoding import CANVAS_KNOBS
 from server_helpers import TINY, ServerProcess
 
 GEMMA = ["model=tiny_diffusion_gemma", "engine.dtype=float32", "engine.device=cpu", "model.max_model_len=64",

@@ -223,7 +223,7 @@ def test_a_request_whose_row_breaks_the_step_fails_alone_on_the_real_engine():
     """The engine retries each row of a failed step alone: the breaking request is a 500, the
     request beside it in the same batch completes."""
     from fluxlab.config import compose, validate_config
-    from fluxlab.engine.llm_engine import make_engine
+    from fluxlab.engine.factory import make_engine
     from fluxlab.server.app import build_app
     from fluxlab.server.async_engine import AsyncEngine
 

@@ -24,7 +24,7 @@ def llm():
 def test_config_request_and_reference_refuse_the_same_values(llm, knob, bad):
     """One range per knob: config validation, SamplingParams and the reference all read KNOBS."""
     from fluxlab.config import ConfigError, compose, validate_config
-    from fluxlab.engine.reference import reference_generate
+    from fluxlab.models.llada2.reference import reference_generate
 
     message = KNOBS[knob].problem(bad, BL)
     assert message
@@ -213,7 +213,8 @@ def test_graph_plan_covers_any_mix_of_rows(rows, mode, want):
 def test_random_weight_presets_never_read_tokenizer_files_of_the_working_directory(tmp_path, monkeypatch):
     """special_token_ids("") used to read ./tokenizer*.json; random real-preset weights take the
     released ids instead."""
-    from fluxlab.engine.loader import EOS_TOKEN_ID, MASK_TOKEN_ID, special_token_ids
+    from fluxlab.models.llada2.presets import EOS_TOKEN_ID, MASK_TOKEN_ID
+    from fluxlab.models.llada2.special_ids import special_token_ids
 
     (tmp_path / "tokenizer_config.json").write_text('{"mask_token": "<m>", "eos_token": "<e>"}')
     (tmp_path / "tokenizer.json").write_text('{"added_tokens": [{"content": "<m>", "id": 5}, '
@@ -300,7 +301,7 @@ def test_flashinfer_wrappers_of_a_runner_share_one_workspace(monkeypatch):
 def test_block_routed_model_runs_in_the_engine_and_matches_the_reference():
     """LLaDA2.2's block routing is a model rule whatever the decoder: tiny_llada22 under the
     threshold decoder, a mixed batch on the dynamic policy, equals the reference per request."""
-    from fluxlab.engine.reference import reference_generate
+    from fluxlab.models.llada2.reference import reference_generate
     from fluxlab.llm import LLM
 
     llm = LLM(model="tiny_llada22", overrides=["engine.dtype=float32", "engine.device=cpu", "scheduler=dynamic",

@@ -75,7 +75,7 @@ def test_silu_mul_gives_torchs_bits_on_gpu(dtype):
 def test_the_mlp_with_silu_mul_gives_the_torch_mlps_output():
     from unittest import mock
 
-    from fluxlab.engine.models import llada2_moe
+    from fluxlab.models.llada2 import model as llada2_moe
 
     torch.manual_seed(0)
     mlp = llada2_moe.LLaDA2MoeMLP(256, 512, torch.bfloat16, "cuda")

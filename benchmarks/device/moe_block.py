@@ -4,7 +4,7 @@ the shared expert on a side stream, the routed part alone, the shared expert alo
 of each variant's output from the block's. docs/benchmarks.md "Kernels" has the numbers (measured
 before the combine pass took the adds). Run on a GPU from the repository root: python3 benchmarks/device/moe_block.py [TOKENS]"""
 import sys, torch
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeSparseMoeBlock
+from fluxlab.models.llada2.model import LLaDA2MoeConfig, LLaDA2MoeSparseMoeBlock
 from fluxlab.engine.layers.moe import StackedExperts
 from fluxlab.kernels.fused_moe import fused_moe, default_config
 torch.manual_seed(0)

@@ -34,7 +34,7 @@ from fluxlab.engine.request import SamplingParams
 def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, graph_rows: list[int]):
     from fluxlab.config.compose import compose
     from fluxlab.config.validate import validate_config
-    from fluxlab.engine.canvas_engine import CanvasEngine
+    from fluxlab.models.diffusion_gemma.engine import CanvasEngine
 
     if smoke:  # the tiny checkpoint on CPU: checks the script, measures nothing
         model = ["model=tiny_diffusion_gemma", "engine.dtype=float32", "engine.device=cpu"]
@@ -74,8 +74,8 @@ def _time(fn, repeats: int) -> float:
 def step_batches(engine, batch: int, prompt_tokens: int):
     """(decode, commit, commit_denoise) ScheduledBatches of `batch` rows of one canvas each, whose
     prompt K/V counts as cached: a denoising step, a commit alone, and a commit + denoise step."""
-    from fluxlab.engine.canvas_request import CanvasRequest
-    from fluxlab.engine.decoding.canvas import CanvasKnobs
+    from fluxlab.models.diffusion_gemma.request import CanvasRequest
+    from fluxlab.models.diffusion_gemma.decoding import CanvasKnobs
     from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
 
     runner, L = engine.runner, engine.block_length
@@ -104,7 +104,7 @@ def step_batches(engine, batch: int, prompt_tokens: int):
 
 def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
     """ms of a denoising step, its forward alone and a commit, for `batch` rows of one canvas each."""
-    from fluxlab.engine.canvas_attention import build_canvas_metadata
+    from fluxlab.models.diffusion_gemma.paged_attention import build_canvas_metadata
 
     runner, L = engine.runner, engine.block_length
     decode, commit, commit_denoise = step_batches(engine, batch, prompt_tokens)

@@ -223,7 +223,8 @@ def profile_decode(engine, prompts: list[list[int]], steps: int) -> None:
 
 def main() -> None:
     from fluxlab.config import compose, validate_config
-    from fluxlab.engine.llm_engine import LLMEngine, make_engine
+    from fluxlab.engine.factory import make_engine
+    from fluxlab.engine.llm_engine import LLMEngine
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llada2_mini")
@@ -380,7 +381,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.reference and engine is not None:
         from fluxlab.engine.layers.moe import StackedExperts
-        from fluxlab.engine.reference import reference_generate
+        from fluxlab.models.llada2.reference import reference_generate
 
         # Same algorithm twice: with fluxlab's model code, and with the published code's per-expert
         # MoE loop (what the checkpoint's own generate() runs).

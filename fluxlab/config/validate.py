@@ -69,7 +69,7 @@ def _model_routing_block(model: DictConfig) -> tuple[int, str]:
         with open(Path(str(model.path)).expanduser() / "config.json") as f:
             config, source = json.load(f), f"block_size in model.path={model.path}/config.json"
     elif model.preset is not None:
-        from fluxlab.engine.presets import PRESETS
+        from fluxlab.models.llada2.presets import PRESETS
 
         config, source = PRESETS.get(model.preset), f"block_size of model.preset={model.preset}"
     if not config or not config.get("expert_capacity"):
@@ -96,8 +96,10 @@ def _check_ceilings(dec: DictConfig, canvas: bool, name: str) -> None:
     """decoding.<knob>_limit: null, or in its knob's range and not below the default it bounds (a
     Diffusion-Gemma checkpoint's own default is checked when the engine reads it); a limit of the
     other family's knob would bound nothing, so it is refused."""
-    from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
     from fluxlab.engine.decoding.knobs import KNOBS, LIMIT_KEYS, work_ceilings
+    from fluxlab.models.registry import DIFFUSION_GEMMA
+
+    CANVAS_KNOBS = DIFFUSION_GEMMA.knobs
 
     for knob, key in LIMIT_KEYS.items():
         limit = dec[key]
@@ -135,7 +137,7 @@ def _check_canvas_engine(cfg: DictConfig) -> None:
                                       "its experts' kernel itself (grouped GEMM on CUDA bf16); leave it at auto")
     _check(not cfg.scheduler.enable_prefix_cache,
            f"scheduler.enable_prefix_cache=true: {name} (Diffusion-Gemma) keeps only the sliding window's "
-           "pages of its sliding layers (fluxlab/engine/canvas_pages.py), so a cached block's sliding K/V is gone "
+           "pages of its sliding layers (fluxlab/models/diffusion_gemma/pages.py), so a cached block's sliding K/V is gone "
            "when its request ends; set scheduler.enable_prefix_cache=false (the model group's default)")
     _check(par.tp_size == 1 and par.ep_size == 1,
            f"parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: {name} (Diffusion-Gemma) runs on "

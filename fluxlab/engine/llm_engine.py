@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from fluxlab.engine.block_manager import BlockManager
-from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
 from fluxlab.engine.decoding.knobs import above_ceiling, work_ceilings
 from fluxlab.engine.decoding.registry import DECODERS, KNOBS, get_decoder
 from fluxlab.engine.layers.attention import KVCache
@@ -22,6 +21,7 @@ from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutp
 from fluxlab.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.stop import StopStrings
+from fluxlab.models.registry import FAMILY_DECODERS, FAMILY_KNOBS, family_of_model, owner_of
 
 if TYPE_CHECKING:  # the engine runs on a bare torch machine: no hydra/omegaconf import at run time
     from omegaconf import DictConfig
@@ -35,8 +35,7 @@ def resolve_model_dir(model_cfg: DictConfig) -> Optional[Path]:
     """The checkpoint folder to read config/tokenizer (and weights) from; None for random weights
     of a real preset whose files are not on this machine."""
     from fluxlab.checkpoint import ensure_tiny_checkpoint
-
-    from fluxlab.engine.presets import TINY_PRESETS
+    from fluxlab.models.registry import TINY_PRESETS
 
     if model_cfg.path is None:
         if model_cfg.preset in TINY_PRESETS:
@@ -104,15 +103,12 @@ def graph_segment_sizes(cfg: DictConfig) -> list[int]:
 
 
 def load_engine_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype, model_dir: Optional[Path]):
-    """(model, model_config): the checkpoint's weights (or the preset's random ones) on `device`,
-    routed experts on engine.moe_backend. TP workers build their shard with the same call."""
+    """(model, model_config): the checkpoint's weights (or the preset's random ones) on `device`, read by
+    the model's family, routed experts on engine.moe_backend. TP workers build their shard with the same call."""
     from fluxlab.engine.layers.moe import StackedExperts
-    from fluxlab.engine.loader import build_random_model, load_model
 
-    if cfg.model.load_format == "random":
-        model, model_config = build_random_model(cfg.model.preset, dtype, device, seed=cfg.engine.seed)
-    else:
-        model, model_config = load_model(model_dir, dtype, device)
+    family = family_of_model(cfg.model).hooks()
+    model, model_config = family.load_model(cfg.model, device, dtype, model_dir, seed=cfg.engine.seed)
     moe_backend = cfg.engine.moe_backend
     if moe_backend == "auto":
         # Measured on H200 (docs/benchmarks.md): the Triton kernel is ~2x torch._grouped_mm.
@@ -126,18 +122,16 @@ def load_engine_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype,
 class LLMEngine:
     runner_class = ModelRunner  # data-parallel attention's rank 0 runs a subclass
     generation_defaults: dict = {}  # the checkpoint's own knob values (Diffusion-Gemma's generation_config.json)
-    request_knobs = tuple(k for k in KNOBS if k not in CANVAS_KNOBS)  # the knobs a request to this engine may set
+    request_knobs = tuple(k for k in KNOBS if k not in FAMILY_KNOBS)  # the knobs a request to this engine may set
 
     def __init__(self, cfg: DictConfig):
-        from fluxlab.engine.loader import special_ids
-        from fluxlab.engine.models.llada2_moe import check_block_length
-
+        family = family_of_model(cfg.model).hooks()
         self._init_device(cfg)
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         # Random weights of a published preset have no files: the preset's released ids.
-        self.special = special_ids(model_dir, preset=cfg.model.preset)
+        self.special = family.special_ids(model_dir, preset=cfg.model.preset)
         self.mask_id, self.eos_id = self.special.mask_id, self.special.eos_id
         self.eos_ids = self.special.stop_ids  # a request stops on any of them
         missing = self._missing_special_ids(cfg.decoding.decoder)
@@ -149,7 +143,7 @@ class LLMEngine:
         self.hidden_ids = tuple(i for i in (self.special.delete_id, self.special.split_id) if i is not None)
         self.model, self.model_config = load_engine_model(cfg, self.device, self.dtype, model_dir)
         self.block_length = cfg.decoding.block_length
-        check_block_length(self.model_config, self.block_length)
+        family.check_block_length(self.model_config, self.block_length)
         self.max_model_len = cfg.model.max_model_len
         num_pages = self._num_kv_pages(free_at_start)
         layout = cfg.engine.kv_cache_layout
@@ -367,12 +361,12 @@ class LLMEngine:
         return request_id
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        if params.decoder == "canvas":
-            raise InvalidRequest(f"decoder=canvas decodes Diffusion-Gemma canvases; {self.cfg.model.name} is not "
-                                 "a Diffusion-Gemma model", "decoder")
-        for name in CANVAS_KNOBS:  # resolve() filled them from the config: a different value is the request's
+        if params.decoder in FAMILY_DECODERS:
+            raise InvalidRequest(f"decoder={params.decoder} decodes {owner_of(params.decoder).title} models; "
+                                 f"{self.cfg.model.name} is not one", "decoder")
+        for name in FAMILY_KNOBS:  # resolve() filled them from the config: a different value is the request's
             if getattr(params, name) != self.decoding_defaults[name]:
-                raise InvalidRequest(f"{name} is a canvas-decoder knob (Diffusion-Gemma); {self.cfg.model.name} "
+                raise InvalidRequest(f"{name} is a {owner_of(name).title} decoder knob; {self.cfg.model.name} "
                                      "does not read it", name)
         return Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
                        self.hidden_ids)
@@ -507,18 +501,3 @@ class LLMEngine:
         if total:
             log.info("forwards: %d, %d replayed a CUDA graph (%.0f%%), %d eager", total, runner.num_graph_forwards,
                      100 * runner.num_graph_forwards / total, runner.num_eager_forwards)
-
-
-def make_engine(cfg: DictConfig) -> LLMEngine:
-    """The engine for a validated run config (tensor/expert parallel groups start their workers)."""
-    from fluxlab.models.registry import family_of_model
-
-    if family_of_model(cfg.model).canvas:  # canvas decoding (canvas_engine.py)
-        from fluxlab.engine.canvas_engine import CanvasEngine
-
-        return CanvasEngine(cfg)
-    if cfg.parallel.tp_size > 1:
-        from fluxlab.engine.distributed.engine import ParallelEngine
-
-        return ParallelEngine(cfg)
-    return LLMEngine(cfg)

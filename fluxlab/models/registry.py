@@ -2,6 +2,11 @@
 about that family before anything loads (its model and decoder groups, its presets, which config.json
 keys a checkpoint folder carries into the run config).
 
+A family is one package, fluxlab/models/<family>/, and one line here: `package` is where its code
+lives (`hooks()` imports `<package>.family`, the functions the engine and the checkpoint command ask
+it for), `engine` the engine class that decodes it ("module:Class", imported only when a run starts).
+docs/models.md says how to add one.
+
 Keyed like vLLM's (`model_executor/models/registry.py`) on config.json `architectures`, with
 `model_type` as the fallback; LLaDA2.0/2.1 and LLaDA2.2 share both, and a LLaDA2.2 config is the one
 with block routing (`expert_capacity` > 0, DESIGN §4b). Torch-free: config validation, checkpoint-folder
@@ -9,6 +14,7 @@ detection (fluxlab/config/model_folder.py) and the engine factory read it.
 """
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +34,18 @@ class Family:
     group: str  # the conf/model group a checkpoint folder of this family starts from
     decoding: str  # the conf/decoding group its model groups select
     presets: tuple[str, ...]  # model.preset values of this family's shapes
+    package: str  # fluxlab.models.<family>: the family's code
+    engine: str = "fluxlab.engine.llm_engine:LLMEngine"  # the engine class that decodes it (module:Class)
+    tiny_presets: tuple[str, ...] = ()  # presets whose files fluxlab writes and caches (tests, the default run)
+    parallel: bool = False  # the block engine's tensor/expert parallelism runs it (parallel.tp_size > 1)
     block_routing: bool = False  # config.json expert_capacity > 0 (LLaDA2.2)
-    canvas: bool = False  # decodes canvases, not blocks (fluxlab/engine/canvas_engine.py)
+    canvas: bool = False  # decodes canvases, not blocks (fluxlab/models/diffusion_gemma/engine.py)
     # config.json key -> run-config key, set from a checkpoint folder unless the user sets it
     carry: Mapping[str, str] = field(default_factory=dict)
+    # decoders of its own (name -> "module:Class"), beside the block decoders of fluxlab/engine/decoding/
+    decoders: Mapping[str, str] = field(default_factory=dict)
+    # decoding knobs only its own decoders read (defined in fluxlab/engine/decoding/knobs.py with the rest)
+    knobs: tuple[str, ...] = ()
 
     def reads(self, config: dict) -> bool:
         """Whether a checkpoint with this config.json is of this family."""
@@ -39,18 +53,43 @@ class Family:
             config.get("model_type") == self.model_type
         return named and self.block_routing == bool(config.get("expert_capacity") or 0)
 
+    def hooks(self):
+        """`<package>.family`: what the engine core and the checkpoint command ask this family for."""
+        return importlib.import_module(f"{self.package}.family")
+
+    def engine_class(self) -> type:
+        return load_class(self.engine)
+
 
 LLADA2 = Family("llada2", "LLaDA2.0/2.1", "llada2_moe", ("LLaDA2MoeModelLM",), group="llada2_mini",
                 decoding="threshold",
-                presets=("tiny", "small", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"))
+                presets=("tiny", "small", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"),
+                package="fluxlab.models.llada2", tiny_presets=("tiny",), parallel=True)
 LLADA22 = Family("llada22", "LLaDA2.2", "llada2_moe", ("LLaDA2MoeModelLM",), group="llada22_mini",
-                 decoding="threshold", presets=("tiny_llada22", "llada22_mini", "llada22_flash"), block_routing=True)
+                 decoding="threshold", presets=("tiny_llada22", "llada22_mini", "llada22_flash"),
+                 package="fluxlab.models.llada2", tiny_presets=("tiny_llada22",), parallel=True, block_routing=True)
 DIFFUSION_GEMMA = Family("diffusion_gemma", "Diffusion-Gemma", "diffusion_gemma", ("DiffusionGemmaForBlockDiffusion",),
                          group="diffusion_gemma", decoding="canvas",
-                         presets=("tiny_diffusion_gemma", "diffusion_gemma_26b_a4b"), canvas=True,
-                         carry={"canvas_length": "decoding.canvas_length"})
+                         presets=("tiny_diffusion_gemma", "diffusion_gemma_26b_a4b"),
+                         package="fluxlab.models.diffusion_gemma", engine="fluxlab.models.diffusion_gemma.engine:CanvasEngine",
+                         tiny_presets=("tiny_diffusion_gemma",), canvas=True,
+                         carry={"canvas_length": "decoding.canvas_length"},
+                         decoders={"canvas": "fluxlab.models.diffusion_gemma.decoding:Canvas"},
+                         knobs=("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+                                "confidence_threshold"))
 
 FAMILIES: tuple[Family, ...] = (LLADA2, LLADA22, DIFFUSION_GEMMA)
+PRESETS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.presets)
+TINY_PRESETS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.tiny_presets)
+# Knobs and decoders some family brings for itself: a model of another family refuses them.
+FAMILY_KNOBS: tuple[str, ...] = tuple(dict.fromkeys(k for f in FAMILIES for k in f.knobs))
+FAMILY_DECODERS: dict[str, str] = {name: where for f in FAMILIES for name, where in f.decoders.items()}
+
+
+def load_class(where: str) -> type:
+    """"module:Class" -> the class (a family's engine or decoder, imported when first asked for)."""
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
 # A model config naming neither a checkpoint folder nor a preset: LLaDA2 (the embedded default's family).
 DEFAULT = LLADA2
 
@@ -118,3 +157,8 @@ def describe(model) -> str:
             model_type = None
         return f"model.path={model.path} (model_type {model_type})"
     return f"model={model.name}"
+
+
+def owner_of(knob_or_decoder: str) -> Family:
+    """The family whose own decoders read this knob, or that brings this decoder."""
+    return next(f for f in FAMILIES if knob_or_decoder in f.knobs or knob_or_decoder in f.decoders)

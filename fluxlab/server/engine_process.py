@@ -244,7 +244,7 @@ class _ChildLoop(AsyncEngine):
 
 def run_engine_process(cfg: Any, conn: Any, max_waiting_requests: int, log_level: str = "info") -> None:
     """The child's main: build the engine, report ready (or why not), run the loop until stopped."""
-    from fluxlab.engine.llm_engine import make_engine
+    from fluxlab.engine.factory import make_engine
 
     # Ctrl-C reaches the whole process group, and so does systemd's stop (KillMode=control-group):
     # the server stops us through the pipe (in-flight requests end cleanly), and a server that is

@@ -29,6 +29,7 @@ from pydantic.types import Strict
 from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob, above_ceiling, work_ceilings
 from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.request import SamplingParams
+from fluxlab.models.registry import FAMILY_DECODERS, FAMILY_KNOBS, family_of_model
 
 # Strict finite numbers: "0.7" as a string is a client mistake, not something to coerce silently,
 # and JSON's 1e400 parses to inf, which no knob means.
@@ -106,20 +107,15 @@ CANVAS_PINNED = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 
 def _decodes_canvases(model: Any) -> bool:
-    # Seam: the model-family registry (fluxlab/models/registry.py) says whether a family decodes
-    # canvases but not yet its decoders and knobs; until it does, they are written here.
-    from fluxlab.models.registry import family_of_model
-
     return family_of_model(model).canvas
 
 
 def served_knobs(model: Any) -> tuple[str, ...]:
-    """The knobs a request to this model may carry: its own, and the ones it takes at one value."""
-    from fluxlab.engine.decoding.canvas import CANVAS_KNOBS
-
-    if _decodes_canvases(model):
-        return (*CANVAS_KNOBS, *CANVAS_PINNED)
-    return tuple(k for k in KNOBS if k not in CANVAS_KNOBS)
+    """The knobs a request to this model may carry: its family's own (registry), and the ones it takes at one value."""
+    family = family_of_model(model)
+    if family.canvas:
+        return (*family.knobs, *CANVAS_PINNED)
+    return tuple(k for k in KNOBS if k not in FAMILY_KNOBS)
 
 
 def served_fields(cfg: Any, vocab_size: Optional[int] = None) -> ServedFields:
@@ -142,29 +138,21 @@ def served_fields(cfg: Any, vocab_size: Optional[int] = None) -> ServedFields:
 def _checkpoint_knobs(model: Any) -> dict:
     """A Diffusion-Gemma checkpoint's own knob values (generation_config.json): the defaults, and so
     the work ceilings, of the engine that serves it (CanvasEngine.generation_defaults)."""
-    from fluxlab.engine.canvas_engine import canvas_model_dir
-    from fluxlab.engine.decoding.canvas import read_generation_defaults
-
-    try:
-        model_dir = canvas_model_dir(model)
-    except ValueError:
-        model_dir = None  # the engine refuses the path; transformers' defaults meanwhile
-    return read_generation_defaults(model_dir)
+    return family_of_model(model).hooks().generation_defaults(model)
 
 
 def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
     """The block decoders whose special tokens the model has (levenshtein_joint needs LLaDA2.2's
     delete and split ids): the rule of the engine's `_missing_special_ids`, on the same ids."""
     from fluxlab.engine.llm_engine import resolve_model_dir
-    from fluxlab.engine.loader import special_ids
 
     try:
         model_dir = resolve_model_dir(cfg.model)
     except ValueError:
         model_dir = None  # random weights without files: the preset says
-    special = special_ids(model_dir, preset=cfg.model.preset)
+    special = family_of_model(cfg.model).hooks().special_ids(model_dir, preset=cfg.model.preset)
     return tuple(name for name, decoder in DECODERS.items()
-                 if name != "canvas" and all(getattr(special, i) is not None for i in decoder.special_ids))
+                 if name not in FAMILY_DECODERS and all(getattr(special, i) is not None for i in decoder.special_ids))
 
 
 # Every decoder and knob, no served model's limits: the models a config-free caller validates with.

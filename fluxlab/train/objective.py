@@ -70,7 +70,7 @@ def dense_moe(moe, x: torch.Tensor) -> torch.Tensor:
 def hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
     """The engine model's forward with gradients (its own `forward` is inference-only, no_grad),
     layer by layer through the model's own modules; on CUDA the MoE blocks through `dense_moe`."""
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeSparseMoeBlock
+    from fluxlab.models.llada2.model import LLaDA2MoeSparseMoeBlock
 
     x = model.word_embeddings(input_ids)
     cos, sin = model.rotary_emb.cos_sin(positions, x.dtype)

@@ -27,7 +27,7 @@ os.environ["FLUXLAB_FUSED_KERNELS"] = "0"
 
 import torch  # noqa: E402
 
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig  # noqa: E402
+from fluxlab.models.llada2.model import LLaDA2MoeConfig  # noqa: E402
 from fluxlab.train.objective import bd_loss  # noqa: E402
 from fluxlab.train.task import Problem, problems, held_out_set  # noqa: E402
 
@@ -49,7 +49,7 @@ SHAPES = {
 
 
 def model_config(special_ids: dict[str, int]) -> dict:
-    from fluxlab.engine.presets import preset_config
+    from fluxlab.models.llada2.presets import preset_config
 
     cfg = preset_config("tiny")  # the published config.json keys; the shapes are replaced below
     cfg.update(SHAPES)
@@ -99,7 +99,7 @@ def batches(tok, seed: int, batch_size: int, eos_id: int, trim: bool, prefetch: 
 def build_model(config: dict, seed: int, device: torch.device, init_from: str | None = None):
     """Random weights from `seed` (std 0.02, unit norms), or a checkpoint folder's to continue from."""
     from fluxlab.engine.layers.moe import StackedExperts
-    from fluxlab.engine.loader import build_random_model, load_model
+    from fluxlab.models.llada2.loader import build_random_model, load_model
 
     if init_from:
         model, loaded = load_model(init_from, torch.float32, device, progress=False)
@@ -146,7 +146,7 @@ def balance_experts(loads) -> torch.Tensor:
 
 def export_tensors(model) -> dict[str, torch.Tensor]:
     """Official checkpoint names (engine/loader.py's layout) -> fp32 tensors, experts unstacked."""
-    from fluxlab.engine.loader import checkpoint_layout
+    from fluxlab.models.llada2.loader import checkpoint_layout
 
     params = dict(model.named_parameters())
     out = {}
@@ -177,7 +177,7 @@ def evaluate(model, tok, items: list[Problem], mask_id: int, eos_id: int, block_
     """Held-out accuracy with the reference decoder at the default threshold (0.9)."""
     from fluxlab.bench.scoring import arith_correct
     from fluxlab.engine.chat import render_chat
-    from fluxlab.engine.reference import reference_generate
+    from fluxlab.models.llada2.reference import reference_generate
 
     model.eval()
     right = 0

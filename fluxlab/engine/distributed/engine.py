@@ -25,6 +25,7 @@ from fluxlab.engine.distributed.dp_attention import DataParallelPages, DataParal
 from fluxlab.engine.distributed.step_channel import StepWriter
 from fluxlab.engine.distributed.worker import RankEngine, init_distributed, rank_device
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
+from fluxlab.models.registry import family_of_model
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -44,22 +45,14 @@ def free_port() -> int:
 
 def model_config_for(cfg: DictConfig):
     from fluxlab.engine.llm_engine import resolve_model_dir
-    from fluxlab.engine.loader import read_config
-    from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig
 
-    model_dir = resolve_model_dir(cfg.model)
-    if model_dir is not None:
-        return read_config(model_dir)
-    from fluxlab.checkpoint import preset_checkpoint_config
-
-    return LLaDA2MoeConfig.from_dict(preset_checkpoint_config(cfg.model.preset)[0])
+    return family_of_model(cfg.model).hooks().model_config(resolve_model_dir(cfg.model), cfg.model.preset)
 
 
 def special_ids_for(cfg: DictConfig):
     from fluxlab.engine.llm_engine import resolve_model_dir
-    from fluxlab.engine.loader import special_ids
 
-    return special_ids(resolve_model_dir(cfg.model), preset=cfg.model.preset)
+    return family_of_model(cfg.model).hooks().special_ids(resolve_model_dir(cfg.model), preset=cfg.model.preset)
 
 
 class ParallelEngine(RankEngine):
@@ -67,8 +60,6 @@ class ParallelEngine(RankEngine):
 
     def __init__(self, cfg: DictConfig):
         from omegaconf import OmegaConf
-
-        from fluxlab.engine.models.llada2_moe import check_parallel
 
         par = cfg.parallel
         if dist.is_initialized():
@@ -79,7 +70,7 @@ class ParallelEngine(RankEngine):
             raise ValueError(f"parallel.enable_dp_attention=true needs a MoE model; model={cfg.model.name} has no "
                              "routed experts")
         # before any process starts; under DP attention only the experts are split
-        check_parallel(model_config, 1 if self.dp_attention else par.tp_size, par.ep_size)
+        family_of_model(cfg.model).hooks().check_parallel(model_config, 1 if self.dp_attention else par.tp_size, par.ep_size)
         if self.dp_attention:
             self.runner_class = DataParallelRunner
         self.tp_size = par.tp_size

@@ -108,7 +108,7 @@ def worker_main(payload: dict, messages, steps, shared_fd: int) -> None:
 
     from fluxlab.engine.distributed.dp_attention import run_rank_part
     from fluxlab.engine.distributed.step_channel import StepReader
-    from fluxlab.engine.loader import SpecialIds
+    from fluxlab.engine.special_ids import SpecialIds
 
     rank = payload["rank"]
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")

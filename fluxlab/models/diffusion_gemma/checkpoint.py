@@ -48,7 +48,7 @@ def write_diffusion_gemma_checkpoint(out, seed: int = 0, dtype: str = "float32")
                                                                                  EntropyBoundSamplerConfig)
 
     from fluxlab.checkpoint import _tiny_special_ids, train_tokenizer, tokenizer_files
-    from fluxlab.engine.loader import resolve_dtype
+    from fluxlab.engine.weights import resolve_dtype
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,14 @@ from typing import Optional
 import torch
 
 from fluxlab.engine.decoding.base import Decoder
+from fluxlab.models.registry import DIFFUSION_GEMMA
 
 # Transformers' global defaults (DiffusionGemmaGenerationConfig._get_default_generation_params), used for
 # knobs a checkpoint's generation_config.json leaves unset, or when there is no checkpoint (random weights).
 TRANSFORMERS_DEFAULTS = dict(max_denoising_steps=48, entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
                              confidence_threshold=0.005)
-CANVAS_KNOBS = tuple(TRANSFORMERS_DEFAULTS)
+CANVAS_KNOBS = DIFFUSION_GEMMA.knobs
+assert set(CANVAS_KNOBS) == set(TRANSFORMERS_DEFAULTS), "the registry's canvas knobs are transformers' knobs"
 
 
 class Canvas(Decoder):

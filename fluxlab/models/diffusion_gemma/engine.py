@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from fluxlab.engine.canvas_attention import CanvasKVCache
-from fluxlab.engine.canvas_graphs import denoise_row_sizes
-from fluxlab.engine.canvas_pages import CanvasBlockManager, sliding_ring_size
-from fluxlab.engine.canvas_request import CanvasRequest
-from fluxlab.engine.canvas_runner import CanvasRunner, kv_shapes
-from fluxlab.engine.decoding.canvas import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
+from fluxlab.models.diffusion_gemma.paged_attention import CanvasKVCache
+from fluxlab.models.diffusion_gemma.graphs import denoise_row_sizes
+from fluxlab.models.diffusion_gemma.pages import CanvasBlockManager, sliding_ring_size
+from fluxlab.models.diffusion_gemma.request import CanvasRequest
+from fluxlab.models.diffusion_gemma.runner import CanvasRunner, kv_shapes
+from fluxlab.models.diffusion_gemma.decoding import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
 from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,7 +37,7 @@ log = logging.getLogger("fluxlab.engine")
 
 def canvas_model_dir(model_cfg) -> Optional[Path]:
     from fluxlab.checkpoint import ensure_tiny_checkpoint
-    from fluxlab.checkpoint_diffusion_gemma import PRESET
+    from fluxlab.models.diffusion_gemma.checkpoint import PRESET
 
     if model_cfg.path is not None and Path(str(model_cfg.path)).expanduser().is_dir():
         return Path(str(model_cfg.path)).expanduser()
@@ -79,7 +79,7 @@ def _warn_on_canvas_mismatch(model_dir: Optional[Path], canvas_length: int) -> N
 class CanvasEngine(LLMEngine):
     request_knobs = CANVAS_KNOBS
     def __init__(self, cfg: DictConfig):  # noqa: D107 - mirrors LLMEngine.__init__ for this model
-        from fluxlab.engine.diffusion_gemma_loader import load_diffusion_gemma
+        from fluxlab.models.diffusion_gemma.loader import load_diffusion_gemma
 
         self._init_device(cfg)
         if cfg.parallel.tp_size > 1:
@@ -87,7 +87,7 @@ class CanvasEngine(LLMEngine):
         model_dir = canvas_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         if model_dir is None:
-            from fluxlab.engine.presets_diffusion_gemma import build_random_diffusion_gemma
+            from fluxlab.models.diffusion_gemma.presets import build_random_diffusion_gemma
 
             self.model = build_random_diffusion_gemma(cfg.model.preset, self.dtype, self.device, cfg.engine.seed)
         else:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from fluxlab.engine.canvas_static import StaticDenoiser
+from fluxlab.models.diffusion_gemma.static import StaticDenoiser
 from fluxlab.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger("fluxlab.engine")

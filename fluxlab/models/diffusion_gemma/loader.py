@@ -69,7 +69,7 @@ def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu")
     a missing or wrongly shaped tensor is an error naming it."""
     from safetensors import safe_open
 
-    from fluxlab.engine.models.diffusion_gemma import DiffusionGemmaModel
+    from fluxlab.models.diffusion_gemma.model import DiffusionGemmaModel
 
     path = Path(path)
     config = read_config(path)
@@ -113,6 +113,6 @@ def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu")
 
 def _rope_buffers(model) -> dict[str, torch.Tensor]:
     # inv_freq buffers are not in the checkpoint; rebuilt from the config, in fp32 as transformers keeps them.
-    from fluxlab.engine.models.diffusion_gemma import rope_inv_freqs
+    from fluxlab.models.diffusion_gemma.model import rope_inv_freqs
 
     return {f"{t}_inv_freq": f for t, f in rope_inv_freqs(model.config).items()}

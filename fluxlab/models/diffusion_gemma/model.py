@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fluxlab.engine.models.diffusion_gemma_layers import GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
+from fluxlab.models.diffusion_gemma.layers import GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
 from fluxlab.kernels.invariant_matmul import linear, matmul, use_kernel
 
 

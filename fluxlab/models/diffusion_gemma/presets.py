@@ -72,7 +72,7 @@ def preset_text_config(name: str):
 def build_random_diffusion_gemma(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """DiffusionGemmaModel of the preset's shapes with random weights made on the device (uniform,
     std 0.02; norms, scales and layer scalars one), for speed work only."""
-    from fluxlab.engine.models.diffusion_gemma import DiffusionGemmaModel, rope_inv_freqs
+    from fluxlab.models.diffusion_gemma.model import DiffusionGemmaModel, rope_inv_freqs
 
     text_config = preset_text_config(name)
     with torch.device("meta"):

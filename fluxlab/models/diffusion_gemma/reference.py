@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from fluxlab.engine.decoding.canvas import CanvasKnobs, CanvasState, canvas_step
-from fluxlab.engine.models.diffusion_gemma_attention import CanvasSegment, DenseCanvasAttention, DenseKV
+from fluxlab.models.diffusion_gemma.decoding import CanvasKnobs, CanvasState, canvas_step
+from fluxlab.models.diffusion_gemma.attention import CanvasSegment, DenseCanvasAttention, DenseKV
 
 
 @torch.no_grad()

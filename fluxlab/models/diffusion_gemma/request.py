@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fluxlab.engine.decoding.canvas import CanvasKnobs, CanvasState
+from fluxlab.models.diffusion_gemma.decoding import CanvasKnobs, CanvasState
 from fluxlab.engine.request import SamplingParams
 from fluxlab.engine.sequence import Request
 

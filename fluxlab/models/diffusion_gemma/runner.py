@@ -28,11 +28,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fluxlab.engine.canvas_attention import (CanvasKVCache, CanvasRow, PagedCanvasAttention,
+from fluxlab.models.diffusion_gemma.paged_attention import (CanvasKVCache, CanvasRow, PagedCanvasAttention,
                                              build_canvas_metadata)
-from fluxlab.engine.canvas_graphs import CanvasGraphs
-from fluxlab.engine.canvas_request import CanvasRequest
-from fluxlab.engine.decoding.canvas import CanvasState, canvas_step
+from fluxlab.models.diffusion_gemma.graphs import CanvasGraphs
+from fluxlab.models.diffusion_gemma.request import CanvasRequest
+from fluxlab.models.diffusion_gemma.decoding import CanvasState, canvas_step
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 
 

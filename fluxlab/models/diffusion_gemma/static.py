@@ -32,9 +32,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fluxlab.engine.canvas_attention import CanvasKVCache
-from fluxlab.engine.canvas_request import CanvasRequest
-from fluxlab.engine.decoding.canvas import CanvasState, CanvasStepInputs, denoise_step
+from fluxlab.models.diffusion_gemma.paged_attention import CanvasKVCache
+from fluxlab.models.diffusion_gemma.request import CanvasRequest
+from fluxlab.models.diffusion_gemma.decoding import CanvasState, CanvasStepInputs, denoise_step
 
 
 class StaticCanvasAttention:

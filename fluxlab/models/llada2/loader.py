@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from fluxlab.engine.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeModel
-from fluxlab.engine.presets import EOS_TOKEN_ID, MASK_TOKEN_ID
-
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
+from fluxlab.models.llada2.model import LLaDA2MoeConfig, LLaDA2MoeModel
+from fluxlab.engine.weights import resolve_dtype, safetensor_files, uniform_tensor
 
 # ---------------------------------------------------------------------------------------- layout
 
@@ -165,21 +151,6 @@ def read_config(path) -> LLaDA2MoeConfig:
         return LLaDA2MoeConfig.from_dict(json.load(f))
 
 
-def _safetensor_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [path / f for f in files]
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no safetensors weights found in {path}")
-    return files
-
-
 def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True, dims=None):
     """config.json + safetensors (sharded or not, any float dtype on disk) -> (model, config).
 
@@ -197,7 +168,7 @@ def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True, d
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = LLaDA2MoeModel(config, dtype=dtype, device=device, dims=dims).eval()
     assign = _Assigner(model)
-    files = _safetensor_files(path)
+    files = safetensor_files(path)
     with tqdm(total=len(assign.layout), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -212,23 +183,6 @@ def load_model(path, dtype=torch.bfloat16, device=None, progress: bool = True, d
 
 
 # -------------------------------------------------------------------------------- random weights
-
-def _seed_for(seed: int, name: str) -> int:
-    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
-
-
-def uniform_tensor(shape, std: float, seed: int, name: str, device=None) -> torch.Tensor:
-    """Zero-mean uniform values with the given std, fp32, bit-identical on every machine.
-
-    Integer draws from torch's mt19937 converted exactly to float, times a constant: no
-    SIMD-dependent transcendental math (torch's normal_ has AVX2 and scalar paths).
-    """
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    g = torch.Generator(device=device)
-    g.manual_seed(_seed_for(seed, name))
-    ints = torch.randint(-(2**23), 2**23, tuple(shape), generator=g, device=device, dtype=torch.int32)
-    return ints.to(torch.float32) * (std * math.sqrt(3.0) / 2**23)
-
 
 def _init_std(name: str, shape: tuple, c: LLaDA2MoeConfig, peaked: bool) -> float | None:
     """std for a random tensor; None means "all ones" (norm weights)."""
@@ -306,12 +260,12 @@ def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed
     elif isinstance(preset_or_config, dict):
         config = LLaDA2MoeConfig.from_dict(preset_or_config)
     else:
-        from fluxlab.checkpoint import preset_checkpoint_config
+        from fluxlab.models.llada2.checkpoint import preset_checkpoint_config
 
         cfg, ids = preset_checkpoint_config(preset_or_config)
         config = LLaDA2MoeConfig.from_dict(cfg)
-        from fluxlab.checkpoint import random_special_ids
-        from fluxlab.engine.presets import TINY_PRESETS
+        from fluxlab.models.llada2.checkpoint import random_special_ids
+        from fluxlab.models.llada2.presets import TINY_PRESETS
 
         if preset_or_config in TINY_PRESETS:
             peaked = True if peaked is None else peaked
@@ -329,104 +283,3 @@ def build_random_model(preset_or_config, dtype=torch.bfloat16, device=None, seed
         del t
     assign.finish()
     return model, config
-
-
-# ------------------------------------------------------------------------------ special token ids
-
-def _ids_from_tokenizer_files(path: Path) -> tuple:
-    """(mask, eos, pad) from tokenizer_config.json + tokenizer.json, without loading transformers."""
-    with open(path / "tokenizer_config.json") as f:
-        tc = json.load(f)
-    with open(path / "tokenizer.json") as f:
-        tj = json.load(f)
-    ids = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
-    vocab = tj.get("model", {}).get("vocab", {})
-
-    def lookup(key):
-        tok = tc.get(key)
-        if isinstance(tok, dict):
-            tok = tok.get("content")
-        if tok is None:
-            return None
-        return ids.get(tok, vocab.get(tok) if isinstance(vocab, dict) else None)
-
-    return lookup("mask_token"), lookup("eos_token"), lookup("pad_token")
-
-
-def special_token_ids(path) -> tuple[int, int, int]:
-    """(mask_id, eos_id, pad_id) from the checkpoint's tokenizer (its JSON files, else
-    transformers' AutoTokenizer); falls back to the released LLaDA2 ids (mask 156895, eos 156892)
-    and config.json's pad_token_id."""
-    # None (random weights of a published preset) reads no files: Path("") would be the cwd.
-    path = Path(path) if path else None
-    mask_id = eos_id = pad_id = None
-    if path is not None and path.is_dir():
-        try:
-            mask_id, eos_id, pad_id = _ids_from_tokenizer_files(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        if mask_id is None or eos_id is None:
-            try:
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-                mask_id = mask_id if mask_id is not None else tok.mask_token_id
-                eos_id = eos_id if eos_id is not None else tok.eos_token_id
-                pad_id = pad_id if pad_id is not None else tok.pad_token_id
-                if mask_id is None and "<|mask|>" in tok.get_vocab():
-                    mask_id = tok.get_vocab()["<|mask|>"]
-            except Exception:
-                pass
-        if pad_id is None and (path / "config.json").exists():
-            with open(path / "config.json") as f:
-                pad_id = json.load(f).get("pad_token_id")
-    mask_id = MASK_TOKEN_ID if mask_id is None else int(mask_id)
-    eos_id = EOS_TOKEN_ID if eos_id is None else int(eos_id)
-    pad_id = eos_id if pad_id is None else int(pad_id)
-    return mask_id, eos_id, pad_id
-
-
-@dataclass(frozen=True)
-class SpecialIds:
-    """A checkpoint's special token ids. stop_ids: a request stops on any of them (eos first);
-    delete_id/split_id: LLaDA2.2 edit tokens, None when the model has none."""
-
-    mask_id: int
-    eos_id: int
-    pad_id: int
-    stop_ids: tuple[int, ...]
-    delete_id: int | None = None
-    split_id: int | None = None
-
-
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def special_ids(path, preset: str | None = None) -> SpecialIds:
-    """All special ids of a checkpoint folder: (mask, eos, pad) as `special_token_ids`, stop ids
-    from generation_config.json's eos_token_id (an int or a list; LLaDA2.2 lists 156892 and
-    156900) plus the tokenizer's eos, edit ids from config.json's delete_token_id/split_token_id.
-    Without files (random weights of a published preset) `preset` supplies them."""
-    from fluxlab.engine.presets import preset_config, preset_generation_config
-
-    path = Path(path) if path else None
-    mask_id, eos_id, pad_id = special_token_ids(path)
-    generation, config = None, None
-    if path is not None and path.is_dir():
-        if (path / "generation_config.json").exists():
-            with open(path / "generation_config.json") as f:
-                generation = json.load(f)
-        if (path / "config.json").exists():
-            with open(path / "config.json") as f:
-                config = json.load(f)
-    if preset is not None:
-        generation = generation if generation is not None else preset_generation_config(preset)
-        config = config if config is not None else preset_config(preset)
-    stops = [eos_id] + _as_ids((generation or {}).get("eos_token_id"))
-    config = config or {}
-    delete_id, split_id = config.get("delete_token_id"), config.get("split_token_id")
-    return SpecialIds(mask_id, eos_id, pad_id, tuple(dict.fromkeys(stops)),
-                      None if delete_id is None else int(delete_id), None if split_id is None else int(split_id))

@@ -89,7 +89,7 @@ def reference_generate(model, prompt_ids: list[int], *, mask_id: int, eos_id: in
         if problem:
             raise ValueError(f"reference_generate: {problem}")
     if decoder == "levenshtein_joint":
-        from fluxlab.engine.reference_llada22 import reference_generate_llada22
+        from fluxlab.models.llada2.reference_llada22 import reference_generate_llada22
 
         if delete_id is None or split_id is None:
             raise ValueError("reference_generate: levenshtein_joint needs delete_id and split_id")
