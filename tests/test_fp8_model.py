@@ -1,0 +1,109 @@
+"""model.quantization=fp8 on LLaDA2 (fluxlab/engine/layers/quantization.py): quantize at load, FP8
+checkpoints in the DeepSeek/Qwen3 layout, and the embedded model's accuracy beside bf16 (CPU path)."""
+import json
+
+import pytest
+import torch
+
+from fluxlab.config.paths import ASSETS_DIR
+from fluxlab.engine.layers.fp8 import FP8_DTYPE
+from fluxlab.engine.layers.quantization import (Fp8Linear, Fp8StackedExperts, fp8_checkpoint, fp8_structure_,
+                                                load_fp8_weights, quantize_model_, write_fp8_checkpoint)
+
+MODEL_DIR = ASSETS_DIR / "arith_llada2"
+
+
+def _load(dtype=torch.bfloat16):
+    from fluxlab.models.llada2.loader import load_model
+
+    return load_model(MODEL_DIR, dtype, "cpu", progress=False)[0]
+
+
+def _hidden(model, ids):
+    from fluxlab.engine.layers.attention_dense import DenseBlockCausalAttention
+
+    return model(ids, torch.arange(ids.numel()), DenseBlockCausalAttention([ids.numel()], 8))
+
+
+def test_quantize_at_load_keeps_router_norms_embeddings_and_head_in_their_dtype():
+    model = quantize_model_(_load())
+    fp8 = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8StackedExperts))]
+    assert len(fp8) == 4 * 5 + 3   # qkv, dense, 3 MLP or shared-expert projections a layer; 3 expert stacks
+    for name, p in model.named_parameters():
+        quantized = name.endswith(("query_key_value.weight", "dense.weight", "_proj.weight", "experts.w_gate_up",
+                                   "experts.w_down"))
+        assert (p.dtype == FP8_DTYPE) == quantized, (name, p.dtype)
+        if not quantized and not name.endswith("scale_inv"):
+            assert p.dtype in (torch.bfloat16, torch.float32), name   # expert_bias stays fp32
+    assert model.layers[1].mlp.stacked is None   # the bf16 shared-gate/up + router stack is gone
+
+
+def test_fp8_forward_stays_close_to_the_bf16_forward():
+    ids = torch.tensor([3, 17, 99, 250, 480, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17])
+    with torch.no_grad():
+        ref = _hidden(_load(torch.float32), ids).float()
+        got = _hidden(quantize_model_(_load(torch.float32)), ids).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_an_fp8_checkpoint_loads_to_the_quantize_at_load_weights(tmp_path):
+    from fluxlab.models.llada2.loader import read_config
+    from fluxlab.models.llada2.model import LLaDA2MoeModel
+
+    dst = write_fp8_checkpoint(MODEL_DIR, tmp_path / "fp8")
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128] and fp8_checkpoint(dst)
+    assert not fp8_checkpoint(MODEL_DIR)
+    from safetensors import safe_open
+
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight").dtype == FP8_DTYPE
+        assert f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv").shape == (1, 2)
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype != FP8_DTYPE   # the router is not quantized
+    assert "lm_head.weight_scale_inv" not in names and "model.layers.0.attention.dense.weight_scale_inv" in names
+
+    # the shipped weights are fp32 on disk: quantize-at-load from fp32 gives the same codes and scales
+    model = fp8_structure_(LLaDA2MoeModel(read_config(dst), dtype=torch.float32, device="cpu").eval())
+    load_fp8_weights(model, dst)
+    want = dict(quantize_model_(_load(torch.float32)).named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name].float(), want[name].float()), name
+
+
+def test_an_fp8_checkpoint_without_a_scale_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from fluxlab.models.llada2.loader import read_config
+    from fluxlab.models.llada2.model import LLaDA2MoeModel
+
+    dst = write_fp8_checkpoint(MODEL_DIR, tmp_path / "fp8")
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["model.layers.2.attention.dense.weight_scale_inv"]
+    save_file(tensors, str(dst / "model.safetensors"))
+    model = fp8_structure_(LLaDA2MoeModel(read_config(dst), dtype=torch.bfloat16, device="cpu").eval())
+    with pytest.raises(ValueError, match="attention.dense.weight_scale_inv"):
+        load_fp8_weights(model, dst)
+
+
+def test_fp8_is_refused_under_tensor_parallel():
+    from fluxlab.engine.layers.linear import ParallelDims
+    from fluxlab.models.llada2.loader import read_config
+    from fluxlab.models.llada2.model import LLaDA2MoeModel
+
+    model = LLaDA2MoeModel(read_config(MODEL_DIR), dtype=torch.bfloat16, device="meta",
+                           dims=ParallelDims(tp_rank=0, tp_size=2))
+    with pytest.raises(ValueError, match="parallel.tp_size=1"):
+        quantize_model_(model)
+
+
+def test_fp8_answers_the_held_out_problems_as_bf16_does(one_thread):
+    """Issue 38 item 3 on the CPU path: all 128 held-out problems, >= 126 right and >= 99% of bf16's
+    tokens (measured 2026-12-03: bf16 127, fp8 127, agreement 0.9993)."""
+    from fluxlab.bench.fp8_accuracy import run
+
+    result = run(128, "cpu")
+    assert result["right"]["fp8"] >= 126, result
+    assert result["token_agreement"] >= 0.99, result
