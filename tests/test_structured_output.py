@@ -228,3 +228,31 @@ def test_a_grammar_that_allows_everything_changes_no_token(one_thread, model, de
                 assert [r.token_ids for r in anything] == [r.token_ids for r in plain]
     finally:
         llm.shutdown()
+
+
+def test_the_json_schema_workload_scores_validity():
+    from fluxlab.bench.scoring import json_schema_valid
+    from fluxlab.bench.workload import json_schema_prompts
+
+    prompts = json_schema_prompts(46, 64, constrained=True)
+    assert len({p.metadata["schema"] for p in prompts}) == len(SCHEMAS) >= 20
+    assert all(p.response_format["type"] == "json_schema" for p in prompts)
+    assert all(p.response_format is None for p in json_schema_prompts(3, 64, constrained=False))
+    flat = json.dumps(SCHEMAS["flat"])
+    assert json_schema_valid('{"name":"Ann","age":3}', flat)
+    assert not json_schema_valid('{"name":"Ann","age":300}', flat) and not json_schema_valid('{"name":', flat)
+
+
+def test_response_format_maps_to_a_grammar():
+    from fluxlab.engine.constraint import grammar_of_response_format
+
+    assert grammar_of_response_format({"type": "text"}) is None
+    assert grammar_of_response_format({"type": "json_object"}) == Grammar("json_object")
+    schema = {"type": "object"}
+    assert grammar_of_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                             "strict": True}}).kind == "json_schema"
+    assert grammar_of_response_format({"type": "regex", "regex": "[0-9]+"}) == Grammar("regex", "[0-9]+")
+    assert grammar_of_response_format({"type": "grammar", "grammar": "start: /a+/"}).kind == "lark"
+    for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "regex"}, [], {"type": 3}):
+        with pytest.raises(ValueError):
+            grammar_of_response_format(bad)

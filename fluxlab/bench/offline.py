@@ -63,7 +63,12 @@ def encode(llm: Any, prompt: BenchPrompt) -> list[int]:
 def _params(prompt: BenchPrompt, knobs: dict[str, Any]) -> Any:
     from fluxlab.engine.request import SamplingParams
 
-    return SamplingParams(max_new_tokens=prompt.max_tokens, ignore_eos=prompt.ignore_eos, **knobs)
+    grammar = None
+    if prompt.response_format is not None:
+        from fluxlab.engine.constraint import grammar_of_response_format
+
+        grammar = grammar_of_response_format(prompt.response_format)
+    return SamplingParams(max_new_tokens=prompt.max_tokens, ignore_eos=prompt.ignore_eos, grammar=grammar, **knobs)
 
 
 def run_offline(llm: Any, prompts: Sequence[BenchPrompt], knobs: dict[str, Any], warmup_requests: int = 1,

@@ -49,6 +49,8 @@ def request_body(prompt: BenchPrompt, model: str, knobs: dict[str, Any], stream:
         body["stream_options"] = {"include_usage": True}
     if prompt.ignore_eos:
         body["ignore_eos"] = True
+    if prompt.response_format is not None:
+        body["response_format"] = prompt.response_format
     if prompt.messages is not None:
         return "/v1/chat/completions", {**body, "messages": prompt.messages}
     return "/v1/completions", {**body, "prompt": prompt.token_ids}

@@ -1,4 +1,5 @@
-"""Scorers: GSM8K (the usual final-number match) and arith (the embedded model's task, strict).
+"""Scorers: GSM8K (the usual final-number match), arith (the embedded model's task, strict) and
+json_schema (structured output: the reply validates against its schema).
 
 The model's final number is the one after `####` or "answer is" when it says so, else the last
 number in the text; the reference may be a bare number or a full GSM8K solution ending in `#### N`.
@@ -6,6 +7,7 @@ Numbers compare as values, so "1,300", "$1300" and "1300.00" all match 1300.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Callable, Optional
 
@@ -45,7 +47,19 @@ def arith_correct(text: str, reference: str) -> bool:
     return match is not None and int(match.group(1)) == int(reference)
 
 
-SCORERS: dict[str, Callable[[str, str], bool]] = {"gsm8k": gsm8k_correct, "arith": arith_correct}
+def json_schema_valid(text: str, schema: str) -> bool:
+    """Structured output: the reply parses as JSON and validates against the schema (given as JSON text)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), json.loads(schema))
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+SCORERS: dict[str, Callable[[str, str], bool]] = {"gsm8k": gsm8k_correct, "arith": arith_correct,
+                                                  "json_schema": json_schema_valid}
 
 
 def get_scorer(name: Optional[str]) -> Optional[Callable[[str, str], bool]]:

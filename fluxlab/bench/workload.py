@@ -26,6 +26,7 @@ class BenchPrompt:
     token_ids: Optional[list[int]] = None  # raw prompt (random workload)
     answer: Optional[str] = None  # reference answer; scored when present
     ignore_eos: bool = False  # random: generate exactly max_tokens, as sglang's random dataset does
+    response_format: Optional[dict] = None  # json_schema: the OpenAI response_format the request carries
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -163,6 +164,26 @@ def random_prompts(tokenizer: Any, num_prompts: int, seed: int, input_len: Seque
     return prompts
 
 
+def json_schema_prompts(num_prompts: Optional[int], max_tokens: int, constrained: bool) -> list[BenchPrompt]:
+    """Structured output: the schema suite (engine/constraint/schemas.py) cycled, one chat prompt each
+    asking for JSON that matches it. The answer is the schema (scorer json_schema: the reply parses and
+    validates); constrained=false sends the same prompts without response_format (the baseline)."""
+    from fluxlab.engine.constraint.schemas import SCHEMAS
+
+    names = list(SCHEMAS)
+    prompts = []
+    for index in range(len(names) if num_prompts is None else num_prompts):
+        name = names[index % len(names)]
+        schema = SCHEMAS[name]
+        text = f"Reply with JSON only, matching this JSON schema: {json.dumps(schema)}"
+        response_format = ({"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+                           if constrained else None)
+        prompts.append(BenchPrompt(index=index, max_tokens=max_tokens, messages=[{"role": "user", "content": text}],
+                                   answer=json.dumps(schema), response_format=response_format,
+                                   metadata={"schema": name}))
+    return prompts
+
+
 def load_workload(cfg: DictConfig, tokenizer: Any = None) -> list[BenchPrompt]:
     """The prompts of `cfg.workload`; `tokenizer` is needed for kind=random only.
 
@@ -189,4 +210,7 @@ def load_workload(cfg: DictConfig, tokenizer: Any = None) -> list[BenchPrompt]:
             raise ValueError("workload.kind=random needs workload.num_prompts (a number)")
         output_len = [wl.max_tokens] if wl.max_tokens is not None else list(wl.output_len)
         return random_prompts(tokenizer, wl.num_prompts, wl.seed, list(wl.input_len), output_len)
-    raise ValueError(f"workload.kind={wl.kind!r}: use jsonl, fewshot, multiturn or random")
+    if wl.kind == "json_schema":
+        max_tokens = wl.max_tokens if wl.max_tokens is not None else cfg.model.max_new_tokens
+        return json_schema_prompts(wl.num_prompts, max_tokens, wl.constrained)
+    raise ValueError(f"workload.kind={wl.kind!r}: use jsonl, fewshot, multiturn, random or json_schema")

@@ -57,3 +57,32 @@ class Grammar:
             return f"invalid {self.kind}: {err}"
         error = LLMatcher.validate_grammar(compiled)
         return f"invalid {self.kind}: {error}" if error else None
+
+
+def grammar_of_response_format(response_format: Any) -> Optional[Grammar]:
+    """OpenAI's response_format -> the request's grammar (None for {"type": "text"}); ValueError with a
+    message naming what is wrong. Types: text, json_object, json_schema ({"json_schema": {"name",
+    "schema", "strict"}}: enforced whether strict or not), and fluxlab's regex ({"regex": "..."}) and
+    grammar ({"grammar": "<Lark>"}) extensions."""
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ValueError('response_format must be an object with a "type"')
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return Grammar.json_schema(spec.get("schema", {}))
+    if kind == "regex":
+        if not isinstance(response_format.get("regex"), str):
+            raise ValueError('response_format regex needs {"regex": "<pattern>"}')
+        return Grammar("regex", response_format["regex"])
+    if kind == "grammar":
+        if not isinstance(response_format.get("grammar"), str):
+            raise ValueError('response_format grammar needs {"grammar": "<Lark grammar>"}')
+        return Grammar("lark", response_format["grammar"])
+    raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object, json_schema, "
+                     "regex or grammar")
