@@ -107,3 +107,37 @@ def test_fp8_answers_the_held_out_problems_as_bf16_does(one_thread):
     result = run(128, "cpu")
     assert result["right"]["fp8"] >= 126, result
     assert result["token_agreement"] >= 0.99, result
+
+
+FP8_RULES = [
+    (["model.quantization=int4"], "model.quantization='int4': use none or fp8"),
+    (["model.quantization=fp8", "model=tiny_diffusion_gemma"], "model.quantization=fp8: "),
+    (["model.quantization=fp8", "parallel=tp2"], "FP8 runs on one GPU"),
+    (["model.quantization=fp8", "engine.moe_backend=loop"], "engine.moe_backend=loop with model.quantization=fp8"),
+    (["model.kv_cache_dtype=fp8_e4m3"], "model.kv_cache_dtype='fp8_e4m3': only auto"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", FP8_RULES, ids=[" ".join(o) for o, _ in FP8_RULES])
+def test_fp8_keys_are_refused_with_the_reason_where_unsupported(overrides, message):
+    from fluxlab.config import ConfigError, compose, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose("serve", overrides), cuda_available=False)
+    assert message in str(err.value)
+
+
+def test_the_engine_serves_fp8_quantized_at_load_and_from_an_fp8_checkpoint(tmp_path, one_thread):
+    from fluxlab import LLM
+    from fluxlab.bench.scoring import arith_correct
+
+    prompts = [json.loads(line) for line in (ASSETS_DIR / "arith_test.jsonl").read_text().splitlines()][:4]
+    messages = [p["messages"] for p in prompts]
+    at_load = LLM(overrides=["engine.device=cpu", "model.quantization=fp8"]).generate(messages)
+    assert sum(arith_correct(r.text, p["metadata"]["answer"]) for r, p in zip(at_load, prompts)) >= 3
+    dst = write_fp8_checkpoint(MODEL_DIR, tmp_path / "fp8")
+    with pytest.raises(ValueError, match="set model.quantization=fp8"):
+        LLM(overrides=["engine.device=cpu", f"model.path={dst}"])
+    from_file = LLM(overrides=["engine.device=cpu", f"model.path={dst}", "model.quantization=fp8",
+                               "engine.dtype=float32"]).generate(messages)
+    assert sum(arith_correct(r.text, p["metadata"]["answer"]) for r, p in zip(from_file, prompts)) >= 3

@@ -46,6 +46,10 @@ class ModelConfig:
     max_model_len: int = key(2048, "longest prompt + output in tokens (a multiple of decoding.block_length)")
     max_new_tokens: int = key(128, "output tokens when a request does not say (and their cap)")
     trust_remote_code: bool = key(True, "let the tokenizer run the code in the checkpoint folder")
+    quantization: str = key("none", "none | fp8: e4m3 weights with 128x128 block scales (weight_scale_inv) for the projections and "
+                                    "routed experts, activations per 128-wide token group; router, norms, embeddings and lm_head "
+                                    "unquantized. LLaDA2 on one GPU or CPU; quantizes bf16 weights at load or reads an FP8 checkpoint")
+    kv_cache_dtype: str = key("auto", "auto (the model dtype) | fp8_e4m3 (refused: no attention backend reads an FP8 cache yet)")
 
 
 @dataclass
@@ -144,18 +148,16 @@ class BenchConfig:
 @dataclass
 class WorkloadConfig:
     name: str = key("gsm8k_sample", "workload name, recorded with the results")
-    kind: str = key("jsonl", "jsonl | fewshot | multiturn | random | json_schema")
+    kind: str = key("jsonl", "jsonl | fewshot | multiturn | random")
     path: Optional[str] = key(None, 'jsonl: file of {"messages": [...], "max_tokens"}; null -> the shipped sample')
     num_prompts: Optional[int] = key(None, "null -> every prompt of the file (jsonl); random needs a number")
     seed: int = key(0, "seed of the prompt sample and random prompts")
     max_tokens: Optional[int] = key(None, "override each request's max_tokens (null -> model.max_new_tokens)")
     input_len: List[int] = key([128], "random: prompt tokens, [fixed] or [low, high]")
     output_len: List[int] = key([128], "random: output tokens, [fixed] or [low, high]")
-    scorer: Optional[str] = key(None, "gsm8k: final-number match; arith: the embedded task (strict); json_schema: the reply "
-                                                 "validates against its schema; null = unscored")
+    scorer: Optional[str] = key(None, "gsm8k: final-number match; arith: the embedded task (strict); null = unscored")
     num_shots: int = key(5, "fewshot: exemplars (the file's first lines) before every question")
     num_turns: int = key(3, "multiturn: user turns per conversation")
-    constrained: bool = key(True, "json_schema: send response_format (false: the same prompts, unconstrained)")
 
 
 @dataclass

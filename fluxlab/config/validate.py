@@ -214,6 +214,19 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                f"model.load_format={model.load_format!r}: use auto or random")
         _check(model.load_format != "random" or model.preset is not None,
                "model.load_format=random needs model.preset (the shapes to build)")
+        _check(model.quantization in ("none", "fp8"), f"model.quantization={model.quantization!r}: use none or fp8")
+        if model.quantization == "fp8":
+            _check(not family.canvas, f"model.quantization=fp8: {describe(model)} is not quantized yet (FP8 runs "
+                                      "LLaDA2's projections and experts; Diffusion-Gemma keeps bf16)")
+            _check(par.tp_size == 1 and par.ep_size == 1,
+                   f"model.quantization=fp8 with parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: FP8 "
+                   "runs on one GPU (the 128x128 block scales are not cut into TP/EP shards yet)")
+            _check(eng.moe_backend in ("auto", "triton"),
+                   f"engine.moe_backend={eng.moe_backend} with model.quantization=fp8: the FP8 experts run the FP8 "
+                   "Triton kernel on a GPU and its dequantize reference on CPU; use auto")
+        _check(model.kv_cache_dtype == "auto",
+               f"model.kv_cache_dtype={model.kv_cache_dtype!r}: only auto (the model dtype); an fp8_e4m3 cache is not "
+               "read by any attention backend yet")
         _check(model.max_model_len >= bl,
                f"model.max_model_len={model.max_model_len} must be >= decoding.block_length={bl}")
         _check(1 <= model.max_new_tokens < model.max_model_len,

@@ -12,7 +12,7 @@ import torch
 
 from fluxlab.models.llada2.checkpoint import preset_checkpoint_config, write_checkpoint
 from fluxlab.models.llada2.loader import build_random_model, load_model as load_weights, read_config
-from fluxlab.models.llada2.model import LLaDA2MoeConfig, check_block_length, check_parallel
+from fluxlab.models.llada2.model import LLaDA2MoeConfig, LLaDA2MoeModel, check_block_length, check_parallel
 from fluxlab.models.llada2.special_ids import special_ids
 
 __all__ = ["check_block_length", "check_parallel", "load_model", "model_config", "special_ids", "write_checkpoint"]
@@ -20,10 +20,24 @@ __all__ = ["check_block_length", "check_parallel", "load_model", "model_config",
 
 def load_model(model_cfg, device: torch.device, dtype: torch.dtype, model_dir: Optional[Path], seed: int):
     """(model, model_config): the checkpoint folder's weights, or random ones of model.preset's shapes
-    (model.load_format=random). TP/EP workers build their shard with the same call."""
+    (model.load_format=random). TP/EP workers build their shard with the same call.
+    model.quantization=fp8: an FP8 checkpoint is read as it is, other weights are quantized at load
+    (fluxlab/engine/layers/quantization.py)."""
+    from fluxlab.engine.layers.quantization import fp8_checkpoint, fp8_structure_, load_fp8_weights, quantize_model_
+
+    fp8 = model_cfg.get("quantization", "none") == "fp8"
+    if model_cfg.load_format != "random" and fp8_checkpoint(model_dir):
+        if not fp8:
+            raise ValueError(f"{model_dir} holds FP8 weights (config.json quantization_config): set "
+                             "model.quantization=fp8 to run them")
+        config = read_config(model_dir)
+        model = fp8_structure_(LLaDA2MoeModel(config, dtype=dtype, device=device).eval())
+        return load_fp8_weights(model, model_dir), config
     if model_cfg.load_format == "random":
-        return build_random_model(model_cfg.preset, dtype, device, seed=seed)
-    return load_weights(model_dir, dtype, device)
+        model, config = build_random_model(model_cfg.preset, dtype, device, seed=seed)
+    else:
+        model, config = load_weights(model_dir, dtype, device)
+    return (quantize_model_(model) if fp8 else model), config
 
 
 def model_config(model_dir: Optional[Path], preset: Optional[str]) -> LLaDA2MoeConfig:
