@@ -148,16 +148,18 @@ class BenchConfig:
 @dataclass
 class WorkloadConfig:
     name: str = key("gsm8k_sample", "workload name, recorded with the results")
-    kind: str = key("jsonl", "jsonl | fewshot | multiturn | random")
+    kind: str = key("jsonl", "jsonl | fewshot | multiturn | random | json_schema")
     path: Optional[str] = key(None, 'jsonl: file of {"messages": [...], "max_tokens"}; null -> the shipped sample')
     num_prompts: Optional[int] = key(None, "null -> every prompt of the file (jsonl); random needs a number")
     seed: int = key(0, "seed of the prompt sample and random prompts")
     max_tokens: Optional[int] = key(None, "override each request's max_tokens (null -> model.max_new_tokens)")
     input_len: List[int] = key([128], "random: prompt tokens, [fixed] or [low, high]")
     output_len: List[int] = key([128], "random: output tokens, [fixed] or [low, high]")
-    scorer: Optional[str] = key(None, "gsm8k: final-number match; arith: the embedded task (strict); null = unscored")
+    scorer: Optional[str] = key(None, "gsm8k: final-number match; arith: the embedded task (strict); json_schema: the reply "
+                                                 "validates against its schema; null = unscored")
     num_shots: int = key(5, "fewshot: exemplars (the file's first lines) before every question")
     num_turns: int = key(3, "multiturn: user turns per conversation")
+    constrained: bool = key(True, "json_schema: send response_format (false: the same prompts, unconstrained)")
 
 
 @dataclass
