@@ -235,6 +235,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--reference", action="store_true", help="also time the reference generate at batch 1")
     ap.add_argument("--moe-backend", default=None)
+    ap.add_argument("--quantization", default="none", help="model.quantization (fp8: block-scaled FP8 weights)")
     ap.add_argument("--decoding", default=None, help="a decoding group (joint_threshold, levenshtein_joint, ...)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of decode steps")
     ap.add_argument("--parallel", default=None, help="a parallel group (tp2_ep2, tp4_ep4): one engine per variant")
@@ -258,6 +259,8 @@ def main() -> None:
                  "scheduler.enable_prefix_cache=false"]  # repeated prompts must prefill again (TTFT trials)
     if args.moe_backend:
         overrides.append(f"engine.moe_backend={args.moe_backend}")
+    if args.quantization != "none":
+        overrides.append(f"model.quantization={args.quantization}")
     if args.parallel:
         overrides.append(f"parallel={args.parallel}")
     cfg = compose("generate", overrides)
