@@ -60,12 +60,15 @@ UNSUPPORTED = [
     ("/v1/completions", {**GOOD, "logprobs": 2}, "logprobs"),
     ("/v1/completions", {**GOOD, "best_of": 3}, "best_of"),
     ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "regex", "regex": "[a-"}}, "response_format"),
     ("/v1/chat/completions", {**CHAT, "frequency_penalty": 1}, "frequency_penalty"),
 ]
 

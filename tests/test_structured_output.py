@@ -256,3 +256,48 @@ def test_response_format_maps_to_a_grammar():
     for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "regex"}, [], {"type": 3}):
         with pytest.raises(ValueError):
             grammar_of_response_format(bad)
+
+
+def test_the_server_bodies_take_response_format():
+    from pydantic import ValidationError
+
+    from fluxlab.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}})
+    assert chat.sampling_params(16).grammar == Grammar.json_schema(schema)
+    done = CompletionRequest.model_validate({"prompt": "hi", "response_format": {"type": "json_object"}})
+    assert done.sampling_params(16).grammar == Grammar("json_object")
+    assert CompletionRequest.model_validate({"prompt": "hi"}).sampling_params(16).grammar is None
+    for bad, message in (({"type": "xml"}, "not supported"), ({"type": "regex", "regex": "[a-"}, "unclosed"),
+                         ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}},
+                          "Invalid type")):
+        with pytest.raises(ValidationError, match=message) as err:
+            CompletionRequest.model_validate({"prompt": "hi", "response_format": bad})
+        assert err.value.errors()[0]["loc"][0] == "response_format"
+
+
+def test_served_chat_and_completions_answer_in_their_schema(tmp_path):
+    """A served tiny model, non-streaming and streaming, chat and completions: the text validates."""
+    from server_helpers import TINY, ServerProcess
+
+    schema = SCHEMAS["nested"]
+    response_format = {"type": "json_schema", "json_schema": {"name": "nested", "schema": schema, "strict": True}}
+    server = ServerProcess(TINY, tmp_path)
+    try:
+        chat = server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a user"}],
+                                                         "max_tokens": 96, "response_format": response_format})
+        assert chat.status_code == 200, chat.text
+        jsonschema.validate(json.loads(chat.json()["choices"][0]["message"]["content"]), schema)
+        done = server.post("/v1/completions", json={"prompt": "x", "max_tokens": 96,
+                                                    "response_format": {"type": "json_object"}})
+        assert isinstance(json.loads(done.json()["choices"][0]["text"]), dict)
+        streamed = server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b"}],
+                                                             "stream": True, "max_tokens": 96,
+                                                             "response_format": response_format})
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        jsonschema.validate(json.loads("".join(pieces)), schema)
+    finally:
+        server.stop()

@@ -2,7 +2,7 @@
 
 Bodies accept unknown fields and ignore them (clients send `user`, ...), but a known field of the
 wrong type or out of range is a 400 naming that field, and a known OpenAI field that would change
-the output but is not implemented (logit_bias, tools, response_format, echo, logprobs, penalties)
+the output but is not implemented (logit_bias, tools, echo, logprobs, penalties)
 is a 400 naming it, never silently dropped. Every bound is a plain JSON-schema keyword (minimum,
 maximum, minItems, ...), so the OpenAPI document is what the server enforces. Rules that relate
 fields, which JSON Schema cannot state (prompt + max_tokens <= max_model_len, Diffusion-Gemma's
@@ -73,14 +73,6 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
-
-
-class TextFormat(BaseModel):
-    """response_format's default, plain text: the one format served."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text"]
 
 
 def _unsupported(default: Any = None, **schema: Any) -> Any:
@@ -243,7 +235,11 @@ class DecodingFields(BaseModel):
     presence_penalty: Optional[Annotated[Float, Field(ge=0, le=0)]] = _unsupported()
     frequency_penalty: Optional[Annotated[Float, Field(ge=0, le=0)]] = _unsupported()
     repetition_penalty: Optional[Annotated[Float, Field(ge=1, le=1)]] = _unsupported()
-    response_format: Optional[TextFormat] = _unsupported()  # {"type": "text"} is OpenAI's default
+    # Structured output (docs/structured_output.md): text, json_object, json_schema, and fluxlab's regex /
+    # grammar (Lark) types; checked here, so a bad schema is a 400 naming response_format.
+    response_format: Optional[dict[str, Any]] = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema" (with "json_schema": {"name", "schema", '
+                          '"strict"}) | "regex" (with "regex") | "grammar" (with "grammar": a Lark grammar)}')
 
     @field_validator("n", mode="before")
     @classmethod
@@ -277,13 +273,31 @@ class DecodingFields(BaseModel):
             return None
         return [value] if isinstance(value, str) else value
 
-    @field_validator("logit_bias", "response_format", mode="before")
+    @field_validator("logit_bias", mode="before")
     @classmethod
     def _no_objects(cls, value: Any, info) -> Any:
-        default = {} if info.field_name == "logit_bias" else {"type": "text"}
-        if value is not None and value != default:
+        if value is not None and value != {}:
             raise ValueError(f"{info.field_name} is not supported")
         return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _a_grammar(cls, value: Any) -> Any:
+        from fluxlab.engine.constraint import grammar_of_response_format
+
+        if value is None:
+            return None
+        grammar = grammar_of_response_format(value)  # ValueError: the 400's message
+        problem = None if grammar is None else grammar.problem()
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @property
+    def grammar(self):
+        from fluxlab.engine.constraint import grammar_of_response_format
+
+        return None if self.response_format is None else grammar_of_response_format(self.response_format)
 
     @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", mode="before")
     @classmethod
@@ -297,7 +311,7 @@ class DecodingFields(BaseModel):
 
     def sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_tokens, decoder=self.decoder, seed=self.seed,
-                              stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+                              stop=list(self.stop or []), ignore_eos=self.ignore_eos, grammar=self.grammar,
                               **{name: getattr(self, name) for name in KNOBS})
 
 
