@@ -168,7 +168,7 @@ def test_fa4_gives_the_same_tokens_as_flashinfer_on_a_batch():
     import json
 
     from fluxlab import LLM
-    from fluxlab.config.compose import ASSETS_DIR
+    from fluxlab.config.paths import ASSETS_DIR
 
     prompts = [json.loads(line)["messages"] for line in (ASSETS_DIR / "arith_test.jsonl").read_text().splitlines()[:8]]
     outputs = {}

@@ -163,7 +163,7 @@ def test_fluxlab_cache_env_sets_default_cache(tmp_path, monkeypatch):
 
 def test_random_model_of_published_shape_builds_on_meta_free_path():
     # The big presets' layouts are exact; check shapes without allocating 16B parameters.
-    from fluxlab.models.llada2.loader import checkpoint_layout
+    from fluxlab.models.llada2.layout import checkpoint_layout
     from fluxlab.models.llada2.model import LLaDA2MoeConfig
     from fluxlab.models.llada2.presets import preset_config
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fluxlab.config.compose import ASSETS_DIR
+from fluxlab.config.paths import ASSETS_DIR
 from fluxlab.train.task import problems, split_of, held_out_set, write_jsonl
 
 MODEL_DIR = ASSETS_DIR / "arith_llada2"

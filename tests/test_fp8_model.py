@@ -7,8 +7,8 @@ import torch
 
 from fluxlab.config.paths import ASSETS_DIR
 from fluxlab.engine.layers.fp8 import FP8_DTYPE
-from fluxlab.engine.layers.quantization import (Fp8Linear, Fp8StackedExperts, fp8_checkpoint, fp8_structure_,
-                                                load_fp8_weights, quantize_model_, write_fp8_checkpoint)
+from fluxlab.engine.layers.quantization import Fp8Linear, Fp8StackedExperts, fp8_checkpoint, fp8_structure_, quantize_model_
+from fluxlab.models.llada2.fp8_checkpoint import load_fp8_weights, write_fp8_checkpoint
 
 MODEL_DIR = ASSETS_DIR / "arith_llada2"
 

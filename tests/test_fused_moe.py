@@ -437,7 +437,7 @@ def test_shrunk_row_tiles_give_the_full_height_bits_on_gpu(num_tokens):
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA (sm80+) and triton")
 @pytest.mark.parametrize("tuned_for", [2048, 4096, None])   # the shipped table's configs; BM 128 + SHRINK 1
 def test_a_tokens_output_does_not_depend_on_the_other_tokens_in_the_batch(tuned_for):
-    from fluxlab.kernels.bench_moe import probe_batches
+    from fluxlab.bench.moe_layer import probe_batches
     from fluxlab.kernels.fused_moe import MoEConfig, default_config, fused_moe
 
     _, _, _, w_gate_up, w_down = _gpu_case(2048, 512, 1)

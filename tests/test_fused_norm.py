@@ -69,7 +69,6 @@ def _interpreter_checks() -> None:
     from fluxlab.engine.layers.norm import rms_norm as ref_rms_norm
     from fluxlab.engine.layers.rotary import PartialRotary
     from fluxlab.kernels.fused_norm import add_rms_norm, qk_norm_rope, qk_norm_rope_to_cache, rms_norm
-    from fluxlab.kernels.route_topk import route_topk
 
     gen = torch.Generator().manual_seed(0)
 
@@ -221,7 +220,6 @@ def test_qk_norm_rope_gpu_matches_torch(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 32, 777])
 def test_route_topk_gpu_matches_route(num_tokens):
     from fluxlab.engine.layers.moe import route
-    from fluxlab.kernels.route_topk import route_topk
 
     gen = torch.Generator().manual_seed(num_tokens)
     x, gw, bias = _route_inputs(num_tokens, 2048, 256, gen, dtype=torch.bfloat16, device="cuda")
@@ -239,7 +237,6 @@ def test_route_topk_gpu_matches_route(num_tokens):
 def test_fused_norm_cuda_graph_replay():
     from fluxlab.engine.layers.rotary import PartialRotary
     from fluxlab.kernels.fused_norm import qk_norm_rope, rms_norm
-    from fluxlab.kernels.route_topk import route_topk
 
     gen = torch.Generator().manual_seed(3)
     T, hq, hkv, d, rd = 32, 16, 4, 128, 64
@@ -265,6 +262,15 @@ def test_fused_norm_cuda_graph_replay():
     g.replay()
     for a, b in zip(outs, step()):
         assert torch.equal(a, b)
+
+
+def route_topk(x, gate_weight, expert_bias, top_k, n_group, topk_group, routed_scaling_factor, idx_dtype=torch.int64):
+    """The fused routing as the model runs it: moe.route's router GEMM, then the one-launch top-k kernel."""
+    from fluxlab.engine.layers.moe import router_logits
+    from fluxlab.kernels.route_topk import route_topk_from_logits
+
+    return route_topk_from_logits(router_logits(x, gate_weight), expert_bias, top_k, n_group, topk_group,
+                                  routed_scaling_factor, idx_dtype)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""MoE layer micro-benchmark (GPU only): `python -m fluxlab.kernels.bench_moe [--sweep]`.
+"""MoE layer micro-benchmark (GPU only): `python -m fluxlab.bench.moe_layer [--sweep]`.
 
 For LLaDA2.0-mini (H=2048, I=512) and flash (H=4096, I=1024) expert shapes, E=256, top-8, bf16,
 random weights and routing from the real router (`route`, random gate weights), at T tokens:
@@ -254,7 +254,7 @@ def old_vs_new(tokens: list[int], iters: int, table_out: str | None, device: str
             if best and old.get("graph_ms") and best["graph_ms"] < old["graph_ms"]:
                 configs[str(row["tokens"])] = {**best["config"], "ms": round(best["graph_ms"], 4),
                                                "previous_kernel_ms": round(old["graph_ms"], 4)}
-        table.update(date=time.strftime("%Y-%m-%d"), command=f"python -m fluxlab.kernels.bench_moe --old-vs-new "
+        table.update(date=time.strftime("%Y-%m-%d"), command=f"python -m fluxlab.bench.moe_layer --old-vs-new "
                      f"--tokens {','.join(map(str, tokens))} (SHRINK on top of the tuned tiles)")
         os.makedirs(os.path.dirname(os.path.abspath(table_out)), exist_ok=True)
         with open(table_out, "w") as fh:
@@ -301,7 +301,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--write-table", default=None, help="with --old-vs-new: write the table with the picks here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_moe needs a CUDA GPU")
+        raise SystemExit("fluxlab.bench.moe_layer needs a CUDA GPU")
     if args.old_vs_new:
         with torch.inference_mode():
             return old_vs_new([int(v) for v in args.tokens.split(",")], args.iters, args.write_table)

@@ -51,7 +51,7 @@ def bench(fn) -> float:
 
 
 def graph_ms(fn, iters: int = 20) -> float:
-    from fluxlab.kernels.bench_moe import _time_graph
+    from fluxlab.bench.moe_layer import _time_graph
 
     return _time_graph(fn, iters)
 
@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_tune needs a CUDA GPU")
-    from fluxlab.kernels.bench_moe import measure_ceilings
+    from fluxlab.bench.moe_layer import measure_ceilings
     from fluxlab.kernels.fused_moe import device_table_path, shape_key
 
     started = time.perf_counter()

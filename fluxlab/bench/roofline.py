@@ -35,7 +35,7 @@ from fluxlab.engine.request import SamplingParams
 
 def measure_ceilings() -> dict:
     """HBM copy bandwidth (read + write bytes/s) and bf16 matmul FLOP/s, measured now on this GPU."""
-    from fluxlab.kernels.bench_moe import measure_ceilings as measure
+    from fluxlab.bench.moe_layer import measure_ceilings as measure
 
     ceilings = measure()
     return {"hbm_bytes_per_s": ceilings["copy_bytes_per_s"], "bf16_flops_per_s": ceilings["bf16_flops_per_s"]}

@@ -219,3 +219,22 @@ def run_bench(cfg: DictConfig) -> dict:
     print_table(f"{title}: {job.name}" if job.multirun else title, outcome.metrics)
     print(f"files: {job.out_dir}", flush=True)  # the run folder is in the cache, not the cwd (conf/hydra/default.yaml)
     return {"status": status, **outcome.metrics}
+
+
+def record_refused_job(cfg: DictConfig, error: str) -> None:
+    """A sweep job whose config validation refused: a failed result line and a FAILED child with the
+    error, as for a job that failed running, so the rest of the sweep goes on."""
+    job = Job.current()
+    run_id = None
+    if cfg.tracking.backend == "mlflow" and not cfg.bench.dry_run:
+        run_id = tracking.start_run(cfg.tracking, job.name[:250], tracking.run_tags(cfg), parent_run_id())
+        tracking.log_run(cfg.tracking, run_id, params=tracking.flatten_params(cfg), tags={"error": error[:5000]})
+        tracking.end_run(cfg.tracking, run_id, failed=True)
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "name": job.name, "status": "failed", "error": error,
+            "mode": cfg.bench.mode, "workload": cfg.workload.name, "overrides": job.overrides,
+            "mlflow_run_id": run_id, "config": tracking.public_config(cfg)}
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    for folder in {job.out_dir, job.sweep_dir} - {None}:
+        with open(folder / cfg.bench.result_file, "a") as results:
+            results.write(json.dumps(line) + "\n")
+    log.error("bench job %s refused: %s", job.name, error)

@@ -13,7 +13,6 @@ ended.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import re
@@ -193,25 +192,3 @@ def _end_parent(tracking_cfg: DictConfig, run_id: str, jobs_over: bool) -> None:
     tracking.log_run(tracking_cfg, run_id, tags=tags)
     # A sweep with some failed points still produced results; only an all-failed or cut-short one failed.
     tracking.end_run(tracking_cfg, run_id, failed=not jobs_over or (failed > 0 and done == 0))
-
-
-def record_refused_job(cfg: DictConfig, error: str) -> None:
-    """A sweep job whose config validation refused: a failed result line and a FAILED child with the
-    error, as for a job that failed running, so the rest of the sweep goes on."""
-    from fluxlab.bench import tracking
-    from fluxlab.bench.run import Job
-
-    job = Job.current()
-    run_id = None
-    if _tracking_on(cfg):
-        run_id = tracking.start_run(cfg.tracking, job.name[:250], tracking.run_tags(cfg), parent_run_id())
-        tracking.log_run(cfg.tracking, run_id, params=tracking.flatten_params(cfg), tags={"error": error[:5000]})
-        tracking.end_run(cfg.tracking, run_id, failed=True)
-    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "name": job.name, "status": "failed", "error": error,
-            "mode": cfg.bench.mode, "workload": cfg.workload.name, "overrides": job.overrides,
-            "mlflow_run_id": run_id, "config": tracking.public_config(cfg)}
-    job.out_dir.mkdir(parents=True, exist_ok=True)
-    for folder in {job.out_dir, job.sweep_dir} - {None}:
-        with open(folder / cfg.bench.result_file, "a") as results:
-            results.write(json.dumps(line) + "\n")
-    log.error("bench job %s refused: %s", job.name, error)

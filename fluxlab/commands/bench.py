@@ -12,7 +12,7 @@ def _bench(cfg: DictConfig) -> None:
         run_bench(validated(cfg))
         return
     # One refused point of a sweep is a failed job, recorded like one; the sweep goes on.
-    from fluxlab.bench.sweep import record_refused_job
+    from fluxlab.bench.run import record_refused_job
     from fluxlab.config import ConfigError, validate_config
 
     try:

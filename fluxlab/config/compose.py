@@ -1,36 +1,11 @@
 """Compose a command's config outside `@hydra.main` (the offline LLM API, tests, bench workers)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-
-def config_root() -> Path:
-    """The folder holding conf/, recipes/ and sweeps/: inside the installed package (`pip install .`
-    puts them at fluxlab/conf, fluxlab/recipes, fluxlab/sweeps), else the source checkout's root."""
-    package = Path(__file__).resolve().parents[1]
-    return package if (package / "conf").is_dir() else package.parent
-
-
-PROJECT_ROOT = config_root()
-CONF_DIR = PROJECT_ROOT / "conf"
-ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
-
-
-def asset_path(name: str) -> str:
-    """`${fluxlab_asset:NAME}` in configs: the absolute path of fluxlab/assets/NAME (the embedded
-    model's folder, the task's held-out prompts), wherever the package is installed."""
-    path = ASSETS_DIR / name
-    if not path.exists():
-        raise ValueError(f"${{fluxlab_asset:{name}}}: no such file or folder in {ASSETS_DIR}")
-    return str(path)
-
-
-def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("fluxlab_asset"):
-        OmegaConf.register_new_resolver("fluxlab_asset", asset_path)
+from fluxlab.config.paths import CONF_DIR, GROUP_ALIASES
 
 
 def resolved(cfg: DictConfig) -> DictConfig:
@@ -38,10 +13,6 @@ def resolved(cfg: DictConfig) -> DictConfig:
     engine process, TP workers, sweep jobs). A child composes nothing and has neither our resolvers
     nor Hydra's runtime, so an interpolation left in would fail there, after the parent said ready."""
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-
-# Users say recipe=NAME and sweep=NAME; the folders recipes/ and sweeps/ are the Hydra groups.
-GROUP_ALIASES = {"recipe": "recipes", "sweep": "sweeps"}
-
 
 def rewrite_aliases(overrides: Sequence[str]) -> list[str]:
     """Map `recipe=X` / `sweep=X` (also with `+`/`~`) onto the groups `recipes` / `sweeps`; then a

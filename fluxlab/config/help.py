@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
-from fluxlab.config.compose import CONF_DIR, GROUP_ALIASES, PROJECT_ROOT, compose
+from fluxlab.config.compose import compose
+from fluxlab.config.paths import CONF_DIR, GROUP_ALIASES, PROJECT_ROOT
 from fluxlab.config.overrides import command_groups
 from fluxlab.config.schema import COMMAND_SCHEMAS, SchemaKey, schema_keys
 

@@ -41,7 +41,7 @@ def _overrides_model_group(folder: str, name: str) -> bool:
     user's own, on hydra.searchpath) is taken to, so that a folder never displaces its choice."""
     import yaml
 
-    from fluxlab.config.compose import PROJECT_ROOT
+    from fluxlab.config.paths import PROJECT_ROOT
 
     path = PROJECT_ROOT / folder / f"{_unquote(name)}.yaml"
     if not path.is_file():

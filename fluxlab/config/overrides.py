@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 from omegaconf import OmegaConf
 
-from fluxlab.config.compose import CONF_DIR, GROUP_ALIASES
+from fluxlab.config.paths import CONF_DIR, GROUP_ALIASES
 from fluxlab.config.schema import COMMAND_SCHEMAS, schema_keys
 
 

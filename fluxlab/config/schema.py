@@ -253,7 +253,7 @@ def schema_keys(schema: type, prefix: str = "") -> Iterator[SchemaKey]:
 
 def register_configs() -> None:
     """Each primary config starts from `<command>_schema`, so every group merged onto it is type-checked."""
-    from fluxlab.config.compose import register_resolvers
+    from fluxlab.config.paths import register_resolvers
 
     register_resolvers()
     cs = ConfigStore.instance()

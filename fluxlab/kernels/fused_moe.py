@@ -28,7 +28,7 @@ the worst case and the work by the device-side count. With SHRINK1/SHRINK2 > 0 a
 rows fit in half (a quarter) of BLOCK_M runs a GEMM of that height. A row's value should not
 change (each row of a tl.dot is its own dot product, accumulated over K in the same order), but
 the smaller tile may get another MMA instruction (mma.sync below 64 rows on sm90, wgmma above),
-so tests/test_fused_moe.py and `bench_moe --old-vs-new` check the bits on the GPU, and a table
+so tests/test_fused_moe.py and `python -m fluxlab.bench.moe_layer --old-vs-new` check the bits on the GPU, and a table
 ships only shrinks that kept them.
 With TMA1/TMA2 (sm90+) the weight tiles are loaded through a TMA tensor descriptor instead of
 pointer loads; the activations stay gathered pointer loads.

@@ -20,7 +20,7 @@ Chunks are taken in order and each is sorted stably, so the rows are the same as
 slots keep their original order inside an expert, and the GEMMs downstream see the same input.
 
 `moe_align_scan` is the previous align (grid E, each program scanning every slot: O(E * slots));
-the tests and `bench_moe --old-vs-new` check and time one against the other. It was the default
+the tests and `python -m fluxlab.bench.moe_layer --old-vs-new` check and time one against the other. It was the default
 between one program's worth of slots and 16384 until chunks of 512 (not 1024) made the counting
 sort faster everywhere: H200, E 256, top-8, us per call under a CUDA graph (docs/benchmarks.md §21),
 BLOCK_M 16, 2048 tokens: scan 24.0, chunks of 1024 19.6, 512 14.3, 256 16.2; 4096 tokens: 44.7 / 21.7 /

@@ -112,14 +112,3 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
                         TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
                         num_warps=ROUTE_WARPS)
     return idx, w
-
-
-def route_topk(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int,
-               n_group: int, topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
-    """Same contract as fluxlab.engine.layers.moe.route: x [T, H] -> (topk_idx [T, top_k] int64,
-    topk_weight [T, top_k] fp32). The GEMM is moe.route's (router_logits); the rest is one launch."""
-    from fluxlab.engine.layers.moe import router_logits
-
-    logits = router_logits(x, gate_weight)
-    return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor,
-                                  idx_dtype)

@@ -146,7 +146,7 @@ def balance_experts(loads) -> torch.Tensor:
 
 def export_tensors(model) -> dict[str, torch.Tensor]:
     """Official checkpoint names (engine/loader.py's layout) -> fp32 tensors, experts unstacked."""
-    from fluxlab.models.llada2.loader import checkpoint_layout
+    from fluxlab.models.llada2.layout import checkpoint_layout
 
     params = dict(model.named_parameters())
     out = {}

@@ -1,6 +1,6 @@
 """Puts recipes/ and sweeps/ on Hydra's search path, so they are config groups.
 
-Their folder is the installed package (pip install .) or the source checkout (fluxlab.config.compose),
+Their folder is the installed package (pip install .) or the source checkout (fluxlab.config.paths),
 and it holds much else: the checkout's .venv/, .git/, build/, mlruns/; the package's code. A plain
 `file://` entry on that folder made Hydra's --help walk every folder under it as a config group
 (10 minutes with a venv in the checkout) and list conf/'s groups a second time as conf/<group>. The
@@ -20,7 +20,7 @@ GROUP_FOLDERS = ("recipes", "sweeps")
 
 class FluxlabSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        from fluxlab.config.compose import PROJECT_ROOT
+        from fluxlab.config.paths import PROJECT_ROOT
 
         search_path.append(provider="fluxlab", path=f"{FluxlabGroupsConfigSource.scheme()}://{PROJECT_ROOT}")
 

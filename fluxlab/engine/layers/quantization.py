@@ -10,8 +10,8 @@ Two ways in:
   layer is quantized and its high-precision weight freed one at a time;
 * an FP8 checkpoint: config.json carries `quantization_config` {"quant_method": "fp8",
   "weight_block_size": [128, 128], ...} and every quantized `X.weight` is e4m3 beside its fp32
-  `X.weight_scale_inv` ([ceil(out/128), ceil(in/128)]); `load_fp8_weights` reads it into a model
-  converted with `fp8_structure_` (the empty FP8 layers). `write_fp8_checkpoint` writes one from a
+  `X.weight_scale_inv` ([ceil(out/128), ceil(in/128)]); fluxlab/models/llada2/fp8_checkpoint.py reads it into a model
+  converted with `fp8_structure_` (the empty FP8 layers) and writes one from a
   bf16 checkpoint folder, with the quantizer here.
 
 One GPU only for now: the block scales are not cut for tensor or expert parallel shards.
@@ -19,7 +19,6 @@ One GPU only for now: the block scales are not cut for tensor or expert parallel
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -147,57 +146,6 @@ def quantize_model_(model: nn.Module) -> nn.Module:
     return model
 
 
-def is_quantized_name(name: str) -> bool:
-    """Whether an official LLaDA2 tensor name is stored as FP8 in an FP8 checkpoint."""
-    return name.endswith(("_proj.weight", "attention.query_key_value.weight", "attention.dense.weight"))
-
-
-@torch.no_grad()
-def load_fp8_weights(model: nn.Module, path) -> nn.Module:
-    """An FP8 checkpoint folder's tensors into a model converted by `fp8_structure_` (LLaDA2 names).
-
-    `X.weight_scale_inv` goes to the scale beside X's e4m3 weight (for an expert, into its expert's
-    rows of the stacked scales); every other tensor through the family's loader checks."""
-    from safetensors import safe_open
-
-    from fluxlab.models.llada2.loader import _Assigner, safetensor_files
-
-    assign = _Assigner(model)
-    params = dict(model.named_parameters())
-    scales_seen = set()
-    for file in safetensor_files(Path(path)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if not name.endswith(".weight_scale_inv"):
-                    assign(name, tuple(f.get_slice(name).get_shape()), lambda index, name=name: f.get_tensor(name))
-                    continue
-                weight_name = name.removesuffix("_scale_inv")
-                slot = assign.layout.get(weight_name)
-                if slot is None or not is_quantized_name(weight_name):
-                    raise ValueError(f"unexpected tensor {name!r} in FP8 checkpoint")
-                s = f.get_tensor(name).float()
-                if slot.index is None:   # a projection: its module's weight_scale_inv
-                    target = params[slot.param + "_scale_inv"]
-                else:                    # an expert piece: rows of the stacked scales
-                    e = slot.index[0]
-                    stacked = params[slot.param + "_scale_inv"]
-                    if slot.param.endswith("w_gate_up"):
-                        nb = stacked.shape[1] // 2
-                        rows = slice(nb, 2 * nb) if weight_name.endswith("up_proj.weight") else slice(0, nb)
-                        target = stacked[e, rows]
-                    else:
-                        target = stacked[e]
-                if tuple(target.shape) != tuple(s.shape):
-                    raise ValueError(f"tensor {name!r} has shape {tuple(s.shape)}, expected {tuple(target.shape)}")
-                target.copy_(s.to(target.device))
-                scales_seen.add(weight_name)
-    assign.finish()
-    missing = [n for n in assign.layout if is_quantized_name(n) and n not in scales_seen]
-    if missing:
-        raise ValueError(f"FP8 checkpoint is missing tensor {missing[0] + '_scale_inv'!r}")
-    return model
-
-
 def fp8_checkpoint(path) -> bool:
     """Whether a checkpoint folder's config.json says its weights are block-scaled FP8."""
     config = Path(path) / "config.json"
@@ -210,32 +158,3 @@ def fp8_checkpoint(path) -> bool:
         raise ValueError(f"{config}: quantization_config {q} is not the block-scaled FP8 layout fluxlab reads "
                          f"(quant_method fp8, weight_block_size [{BLOCK}, {BLOCK}])")
     return True
-
-
-@torch.no_grad()
-def write_fp8_checkpoint(src, dst) -> Path:
-    """A bf16/fp32 LLaDA2 checkpoint folder -> the same model as an FP8 checkpoint (DeepSeek layout)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from fluxlab.models.llada2.loader import safetensor_files
-
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for file in safetensor_files(src):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if is_quantized_name(name):
-                    tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t)
-                else:
-                    tensors[name] = t.contiguous()
-    save_file(tensors, str(dst / "model.safetensors"))
-    for item in src.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
-            shutil.copy(item, dst / item.name)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst

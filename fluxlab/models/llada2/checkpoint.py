@@ -69,7 +69,7 @@ def write_checkpoint(preset: str = "tiny", out=None, seed: int = 0, dtype: str =
     from safetensors.torch import save_file
 
     from fluxlab.engine.weights import resolve_dtype
-    from fluxlab.models.llada2.loader import checkpoint_layout, random_tensors
+    from fluxlab.models.llada2.layout import checkpoint_layout, random_tensors
     from fluxlab.models.llada2.model import LLaDA2MoeConfig
 
     if out is None:

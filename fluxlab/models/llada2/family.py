@@ -23,7 +23,8 @@ def load_model(model_cfg, device: torch.device, dtype: torch.dtype, model_dir: O
     (model.load_format=random). TP/EP workers build their shard with the same call.
     model.quantization=fp8: an FP8 checkpoint is read as it is, other weights are quantized at load
     (fluxlab/engine/layers/quantization.py)."""
-    from fluxlab.engine.layers.quantization import fp8_checkpoint, fp8_structure_, load_fp8_weights, quantize_model_
+    from fluxlab.engine.layers.quantization import fp8_checkpoint, fp8_structure_, quantize_model_
+    from fluxlab.models.llada2.fp8_checkpoint import load_fp8_weights
 
     fp8 = model_cfg.get("quantization", "none") == "fp8"
     if model_cfg.load_format != "random" and fp8_checkpoint(model_dir):

@@ -13,7 +13,7 @@ import torch
 
 from fluxlab.engine.decoding.levenshtein_joint import ESCAPE_RETRIES
 from fluxlab.engine.layers.attention_dense import DenseBlockCausalAttention
-from fluxlab.models.llada2.reference import ReferenceOutput
+from fluxlab.models.llada2.reference_output import ReferenceOutput
 
 
 def _best(row: torch.Tensor, excluded: set[int]) -> int:
