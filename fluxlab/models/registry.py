@@ -78,7 +78,15 @@ DIFFUSION_GEMMA = Family("diffusion_gemma", "Diffusion-Gemma", "diffusion_gemma"
                          knobs=("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
                                 "confidence_threshold"))
 
-FAMILIES: tuple[Family, ...] = (LLADA2, LLADA22, DIFFUSION_GEMMA)
+# SDAR / TraDo (JetAstra/SDAR, Gen-Verse TraDo): model_type sdar (dense) and sdar_moe, one package; both
+# published decoding routines are block decoders (fluxlab/engine/decoding/low_confidence.py, bd3.py).
+SDAR = Family("sdar", "SDAR", "sdar", ("SDARForCausalLM",), group="sdar_8b", decoding="sdar",
+              presets=("tiny_sdar", "sdar_8b"), package="fluxlab.models.sdar", tiny_presets=("tiny_sdar",))
+SDAR_MOE = Family("sdar_moe", "SDAR-MoE", "sdar_moe", ("SDARMoeForCausalLM",), group="sdar_30b_a3b", decoding="sdar",
+                  presets=("tiny_sdar_moe", "sdar_30b_a3b"), package="fluxlab.models.sdar",
+                  tiny_presets=("tiny_sdar_moe",))
+
+FAMILIES: tuple[Family, ...] = (LLADA2, LLADA22, DIFFUSION_GEMMA, SDAR, SDAR_MOE)
 PRESETS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.presets)
 TINY_PRESETS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.tiny_presets)
 # Knobs and decoders some family brings for itself: a model of another family refuses them.
