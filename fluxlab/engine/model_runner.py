@@ -23,7 +23,6 @@ import torch
 from fluxlab.engine.constraint.rule import BlockGuard, apply_repair
 from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.decoding.base import DecodeBatch
-from fluxlab.engine.decoding.sampling import filtered_probs
 from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.moe import check_routing_blocks
 from fluxlab.engine.layers.backends import GRAPH_BACKENDS
@@ -434,10 +433,8 @@ class ModelRunner:
             p = request.params
             if p.temperature == 0:
                 continue  # a needs_logits decoder's greedy row: it reads full_logits itself
-            probs = filtered_probs(full_logits[j].float(), p.temperature, p.top_k, p.top_p)
-            sampled = torch.multinomial(probs, 1, generator=self._generator(request)).squeeze(-1)
-            tokens[r] = sampled
-            conf[r] = probs.gather(-1, sampled[:, None]).squeeze(-1)
+            tokens[r], conf[r] = DECODERS[p.decoder].propose(full_logits[j].float(), p.temperature, p.top_k, p.top_p,
+                                                             self._generator(request))
         knobs, decoder_ids, prompt_len, state = state_store.gather(slots)
         editable = torch.arange(bl, device=self.device)[None, :] >= prompt_len[:, None]
         masked = (block == self.mask_id) & editable  # a literal mask token in the prompt is prompt text

@@ -11,6 +11,8 @@ from typing import ClassVar, Optional
 
 import torch
 
+from fluxlab.engine.decoding.sampling import filtered_probs
+
 
 @dataclass
 class DecodeBatch:
@@ -71,6 +73,16 @@ class Decoder:
     # State values that open a block again: a grammar constraint (engine/constraint/rule.py) that takes
     # a token back leaves masks in a block this decoder may have called done.
     reopened_state: ClassVar[dict[str, int]] = {}
+
+    def propose(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled row's proposals (temperature > 0): logits [bl, V] -> (tokens [bl], confidence [bl]).
+        The default draws once per position from the filtered distribution (sampling.py), confidence the
+        drawn token's probability there; a decoder of a published routine that samples otherwise (its
+        own arithmetic, other draws from the request's generator) overrides it."""
+        probs = filtered_probs(logits, temperature, top_k, top_p)
+        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return sampled, probs.gather(-1, sampled[:, None]).squeeze(-1)
 
     def step(self, batch: DecodeBatch) -> DecoderStep:
         """The whole rule for one forward. The default is accept (which masks to fill, which tokens
