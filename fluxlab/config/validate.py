@@ -12,7 +12,7 @@ from omegaconf import DictConfig, open_dict
 
 from fluxlab.config.schema import AttentionConfig, DecodingConfig
 from fluxlab.engine.layers.backends import BACKENDS, GRAPH_BACKENDS, NO_FP32
-from fluxlab.models.registry import UnknownModelFamily, describe, family_of_model
+from fluxlab.models.registry import FAMILY_DECODERS, FAMILY_KNOBS, UnknownModelFamily, describe, family_of_model, owner_of
 
 POLICIES = ("paged", "dynamic", "static")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -186,15 +186,18 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         if family.canvas:
             _notes_canvas(dec, model, notes)
         else:
-            _check(dec.decoder != "canvas",
-                   f"decoding.decoder=canvas decodes Diffusion-Gemma canvases; {describe(model)} is not one")
+            if dec.decoder in FAMILY_DECODERS and dec.decoder not in family.decoders:
+                raise ConfigError(f"decoding.decoder={dec.decoder} decodes {owner_of(dec.decoder).title} models only; "
+                                  f"{describe(model)} is not one")
             # Canvases are Diffusion-Gemma's blocks: on any other model the key would be ignored.
             _check(dec.canvas_length == DecodingConfig.canvas_length,
                    f"decoding.canvas_length={dec.canvas_length}: only Diffusion-Gemma models decode canvases; "
                    f"{describe(model)} decodes blocks of decoding.block_length")
-            for key in ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
-                _check(dec[key] is None, f"decoding.{key}={dec[key]} is a canvas-decoder knob (Diffusion-Gemma); "
-                                         f"{describe(model)} does not read it")
+            # Knobs another family's own decoder reads (max_denoising_steps is also the block decoders' steps, below).
+            for key in (k for k in FAMILY_KNOBS if k not in family.knobs and k != "max_denoising_steps"):
+                if dec[key] is not None:
+                    raise ConfigError(f"decoding.{key}={dec[key]} is a {owner_of(key).title} decoder knob; "
+                                      f"{describe(model)} does not read it")
             if dec.max_denoising_steps is not None:
                 dec.steps = dec.max_denoising_steps
                 notes.append(f"decoding.steps set to decoding.max_denoising_steps={dec.max_denoising_steps}")
