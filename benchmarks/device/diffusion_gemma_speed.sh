@@ -3,7 +3,8 @@
 # A: GPU tests of the canvas kernels and Diffusion-Gemma batch invariance; B: which ops are batch-invariant
 # (benchmarks/device/diffusion_gemma_invariance_probe.py); C: kernel profile of a denoising step at batch 1
 # and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
-# `git archive` of the commit before this round) then this tree, in one call. Outputs under $OUT.
+# `git archive` of the commit before this round; BASE=dir names another) then this tree, in one call; T: the
+# invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py). Outputs under $OUT.
 # Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
 #   sweeps pyproject.toml setup.py | tar -x -C .base ; echo /.base/ >> .git/info/exclude
 # ~8-9 min with all steps: STEPS=ABD (the default ABCD adds the profile) keeps one call under 600 s.
@@ -15,12 +16,14 @@ export PYTHONPATH=/tmp/site:$PWD
 t() { echo "[t+${SECONDS}s] $*"; }
 nvidia-smi -L 2>&1 | head -1
 STEPS=${STEPS:-ABCD}
-BENCH="--graphs on --batch-sizes 1,16 --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats 5"
+BASE=${BASE:-.base}
+BENCH="--graphs on --batch-sizes 1,16 --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats ${REPEATS:-5}"
 
 if [[ $STEPS == *A* ]]; then
   t "A: gpu tests"
-  timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings tests/test_canvas_moe.py tests/test_canvas_matmul.py \
-    tests/test_canvas_stats.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py \
+  A_TESTS=${A_TESTS:-"tests/test_canvas_moe.py tests/test_canvas_matmul.py tests/test_canvas_stats.py
+    tests/test_canvas_gemma_norm.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py"}
+  timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings $A_TESTS \
     > "$OUT/dg_gpu_tests.log" 2>&1
   echo "A exit $?"
   grep -E "^(FAILED|ERROR)|^E |passed|failed|error" "$OUT/dg_gpu_tests.log" | cut -c1-300 | tail -25
@@ -36,9 +39,9 @@ if [[ $STEPS == *C* ]]; then
   echo "C exit $?"; grep -v "^\[" "$OUT/dg_profile.log" | tail -42 | cut -c1-150
 fi
 if [[ $STEPS == *D* ]]; then
-  if [[ -d .base ]]; then
-    t "D1: bench, baseline tree"
-    (cd .base && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_base.json") \
+  if [[ -d $BASE ]]; then
+    t "D1: bench, baseline tree $BASE $(cat $BASE/COMMIT 2>/dev/null)"
+    (cd $BASE && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_base.json") \
       > "$OUT/dg_bench_base.log" 2>&1
     echo "D1 exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_base.log" | head -5
   fi
@@ -48,5 +51,10 @@ if [[ $STEPS == *D* ]]; then
   for f in base new; do
     echo "== $f"; [[ -f $OUT/dg_bench_$f.json ]] && python3 -c "import json, sys; from fluxlab.bench.canvas import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/dg_bench_$f.json" 2>&1 | tail -8
   done
+fi
+if [[ $STEPS == *T* ]]; then
+  t "T: matmul tile sweep"
+  timeout ${T_TIMEOUT:-120} python3 benchmarks/device/diffusion_gemma_matmul_tiles.py "$OUT/dg_tiles.json" > "$OUT/dg_tiles.log" 2>&1
+  echo "T exit $?"; grep -v "^\[" "$OUT/dg_tiles.log" | tail -40 | cut -c1-200
 fi
 t done

@@ -19,6 +19,14 @@ import torch
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES, GROUP_M = 128, 128, 64, 8, 3, 8
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by weight shape (N, K), never by the row count M:
+# narrow weights give few programs at one canvas (256 rows). Filled from device sweeps
+# (benchmarks/device/diffusion_gemma_matmul_tiles.py); shapes not listed use the default above.
+# H200, us at 256 / 4096 rows (2026-12-03): the router's 128 columns 27 / 29 -> 17 / 30; the dense
+# gate and up 32 / 88 -> 23 / 94. Larger weights keep the default (smaller tiles win ~20% at 256
+# rows there but lose 30-45% at 4096). No config of the sweep changed a bit of the output.
+TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {(128, 2816): (64, 64, 64, 4, 4),
+                                                                (2112, 2816): (128, 64, 64, 4, 4)}
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
 
 if HAVE_TRITON:
@@ -74,17 +82,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     N, K_w = w.shape
     assert K == K_w, (x.shape, w.shape)
+    block_m, block_n, block_k, warps, stages = TILES.get((N, K), (BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES))
     splits = splits_for(K)
     k_per_split = -(-K // splits)
-    k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
+    k_per_split = -(-k_per_split // block_k) * block_k
     splits = -(-K // k_per_split)
     out = torch.empty(M, N, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N), splits)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
     _matmul_kernel[grid](x, w, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                         parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=WARPS,
-                         num_stages=STAGES)
+                         parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps,
+                         num_stages=stages)
     if splits == 1:
         return out
     total = parts[0]

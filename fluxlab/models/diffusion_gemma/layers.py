@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fluxlab.kernels import gemma_norm  # CUDA bf16: the norms fused with their adds and RoPE
 from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
 
 
@@ -22,6 +23,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemma_norm.use_kernel(x):
+            return gemma_norm.norm_rope(x, self.weight, self.eps)
         x32 = x.float()
         out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -57,6 +60,14 @@ class GemmaAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[0]
+        if gemma_norm.use_kernel(x):  # norm + rotation in one pass a tensor
+            q = linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)
+            k_raw = linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
+            v_raw = (linear(x, self.v_proj.weight).view(n, self.num_kv_heads, self.head_dim)
+                     if self.v_proj is not None else k_raw)
+            return (gemma_norm.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin),
+                    gemma_norm.norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin),
+                    gemma_norm.norm_rope(v_raw, None, self.v_norm.eps))
         q = rotate(self.q_norm(linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)), cos, sin)
         k_raw = linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
         v_raw = (linear(x, self.v_proj.weight).view(n, self.num_kv_heads, self.head_dim) if self.v_proj is not None
@@ -91,7 +102,11 @@ class GemmaRouter(nn.Module):
         self.root_size = hidden_size ** -0.5
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = linear(self.norm(x) * self.scale * self.root_size, self.proj.weight)
+        return self.route(self.norm(x) * self.scale * self.root_size)
+
+    def route(self, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) from the scaled, normed input (`forward`'s, or gemma_norm.attn_residual's)."""
+        scores = linear(scaled, self.proj.weight)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -199,7 +214,7 @@ class GemmaDecoderLayer(nn.Module):
         if twin is None or not isinstance(encoder, torch.Tensor):
             layer = twin if twin is not None and encoder else self
             o = attn.forward(self.layer_idx, *layer.qkv(x, cos, sin))
-            return layer.feed_forward(x, o, static) * self.scalar(encoder)
+            return layer.feed_forward(x, o, static, self.scalar(encoder))
         mask = encoder[:, None, None]
         q, k, v = (torch.where(mask, e, d) for e, d in zip(twin.qkv(x, cos, sin), self.qkv(x, cos, sin)))
         o = attn.forward(self.layer_idx, q, k, v)
@@ -209,14 +224,35 @@ class GemmaDecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-    def feed_forward(self, x: torch.Tensor, o: torch.Tensor, static: bool) -> torch.Tensor:
-        """The rest of the layer after attention (output `o`), before the layer scalar."""
-        x = x + self.post_attention_layernorm(linear(o.reshape(x.shape[0], -1), self.self_attn.o_proj.weight))
+    def feed_forward(self, x: torch.Tensor, o: torch.Tensor, static: bool,
+                     scalar: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of the layer after attention (output `o`), times `scalar` (the layer scalar) if given."""
+        attn_out = linear(o.reshape(x.shape[0], -1), self.self_attn.o_proj.weight)
+        if gemma_norm.use_kernel(x) and (scalar is None or scalar.dtype == x.dtype):
+            return self._fused_feed_forward(x, attn_out, static, scalar)
+        x = x + self.post_attention_layernorm(attn_out)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         weights, index = self.router(x)  # routing reads the un-normed residual, as transformers does
         routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index,
                                                                  static))
-        return x + self.post_feedforward_layernorm(dense + routed)
+        out = x + self.post_feedforward_layernorm(dense + routed)
+        return out if scalar is None else out * scalar
+
+    def _fused_feed_forward(self, x: torch.Tensor, attn_out: torch.Tensor, static: bool,
+                            scalar: torch.Tensor | None) -> torch.Tensor:
+        """`feed_forward`'s norms, adds and scalar in two kernels (kernels/gemma_norm.py), same ops."""
+        eps = self.post_attention_layernorm.eps
+        x, dense_in, experts_in, router_in = gemma_norm.attn_residual(
+            attn_out, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+            self.pre_feedforward_layernorm_2.weight, self.router.scale, self.router.root_size, eps)
+        dense = self.mlp(dense_in)
+        weights, index = self.router.route(router_in)
+        routed = self.experts(experts_in, weights, index, static)
+        if scalar is None:
+            scalar = torch.ones(1, dtype=x.dtype, device=x.device)
+        return gemma_norm.ffn_residual(dense, routed, x, self.post_feedforward_layernorm_1.weight,
+                                       self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
+                                       scalar, eps)
 
     def scalar(self, encoder: bool | torch.Tensor) -> torch.Tensor:
         """The pass's layer scalar (both live on the decoder's layer, tied or not)."""

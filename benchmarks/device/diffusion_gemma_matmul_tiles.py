@@ -1,0 +1,82 @@
+"""Tile sweep of the batch-invariant matmul (fluxlab/kernels/invariant_matmul.py) at 26B-A4B shapes (GPU).
+
+For each weight shape a denoising step multiplies by (per step: 25 sliding + 5 full layers, the
+self-conditioning MLP, the head), times each tile config at 256 rows (batch 1) and 4096 (batch 16)
+with triton's do_bench (median, L2 flushed), and checks whether the config's output equals the
+default config's bit for bit (a config may only be chosen per weight shape, never per row count).
+Prints a table per shape and the step's total ms per config, then the best config per shape (by
+256 + 4096-row time). Usage: python3 benchmarks/device/diffusion_gemma_matmul_tiles.py [out.json]
+"""
+import json
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import fluxlab.kernels.invariant_matmul as im
+
+# (N, K): count per step
+SHAPES = {(4096, 2816): 25, (8192, 2816): 5, (2048, 2816): 25 * 2 + 5, (1024, 2816): 0, (2816, 4096): 25,
+          (2816, 8192): 5, (2112, 2816): 2 * 30 + 2, (2816, 2112): 31, (128, 2816): 30, (262144, 2816): 1}
+SHAPES[(1024, 2816)] = 5  # full layers' k (2 heads of 512)
+SHAPES[(2048, 2816)] = 50  # sliding k and v
+CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x64": (128, 64, 64, 4, 4),
+           "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "64x256": (64, 256, 64, 8, 3),
+           "128x128k128": (128, 128, 128, 8, 3)}
+ROWS = (256, 4096)
+
+
+def run(x, w, cfg):
+    bm, bn, bk, warps, stages = cfg
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), 1)
+    im._matmul_kernel[grid](x, w, out, M, N, K, -(-K // bk) * bk, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                            0, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=im.GROUP_M, IEEE=False,
+                            num_warps=warps, num_stages=stages)
+    return out
+
+
+def main():
+    torch.manual_seed(0)
+    results = {}
+    totals = {(name, m): 0.0 for name in CONFIGS for m in ROWS}
+    for (n, k), count in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = run(x, w, CONFIGS["default"])
+            for name, cfg in CONFIGS.items():
+                try:
+                    out = run(x, w, cfg)
+                    same = torch.equal(out, ref)
+                    ms = do_bench(lambda: run(x, w, cfg), warmup=10, rep=40, return_mode="median")
+                except Exception as err:  # noqa: BLE001 - e.g. out of shared memory
+                    same, ms = None, float("inf")
+                    print(f"{name} at {n}x{k}: {type(err).__name__}: {str(err)[:100]}")
+                results[f"{n}x{k}@{m}/{name}"] = {"ms": ms, "same_bits": same}
+                totals[(name, m)] += count * ms
+    print(f"\n{'shape':>14} {'rows':>5} " + " ".join(f"{c:>12}" for c in CONFIGS))
+    for (n, k) in SHAPES:
+        for m in ROWS:
+            cells = []
+            for name in CONFIGS:
+                r = results[f"{n}x{k}@{m}/{name}"]
+                cells.append(f"{r['ms'] * 1e3:>10.0f}{'' if r['same_bits'] else '!'}{' ' if r['same_bits'] else ''}")
+            print(f"{n:>7}x{k:<6} {m:>5} " + " ".join(f"{c:>12}" for c in cells))
+    print("(us; '!' = bits differ from the default config)")
+    print(f"\nstep total ms ({' / '.join(map(str, ROWS))} rows):")
+    for name in CONFIGS:
+        print(f"  {name:>12}: " + " / ".join(f"{totals[(name, m)]:.2f}" for m in ROWS))
+    best = {}
+    for (n, k), count in SHAPES.items():
+        best[f"{n}x{k}"] = min(CONFIGS, key=lambda c: sum(count * results[f"{n}x{k}@{m}/{c}"]["ms"] for m in ROWS))
+    print("best config per shape (256 + 4096 rows):", best)
+    if len(sys.argv) > 1:
+        json.dump({"results": results, "best": best}, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
