@@ -64,7 +64,7 @@ UNSUPPORTED = [
     ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema",
                                                       "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),

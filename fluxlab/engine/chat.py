@@ -4,17 +4,29 @@ from __future__ import annotations
 import copy
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 # Ling-2.0 chat format, for tokenizers that ship without a chat_template (DESIGN §4).
 LING_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT",
               "tool": "OBSERVATION"}
 
 
-def render_chat(tokenizer: Any, messages: list[dict]) -> str:
-    """The prompt text of a chat: the tokenizer's own template, else the Ling-2.0 format."""
+def render_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
+    """The prompt text of a chat: the tokenizer's own template, else the Ling-2.0 format. Tools
+    (OpenAI's `tools` list), assistant tool calls and tool turns go through the template when it shows
+    them, else in the text form of engine/chat_tools.py."""
+    from fluxlab.engine.chat_tools import has_tool_parts, renders_tool_parts, tool_text_form
+
     if getattr(tokenizer, "chat_template", None):
+        if has_tool_parts(messages, tools):
+            native = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                   add_generation_prompt=True)
+            if renders_tool_parts(native, messages, tools):
+                return native
+            messages = tool_text_form(messages, tools)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if has_tool_parts(messages, tools):
+        messages = tool_text_form(messages, tools, tool_role="tool")  # Ling's OBSERVATION turn
     text = "".join(f"<role>{LING_ROLES[m['role']]}</role>{m['content']}<|role_end|>" for m in messages)
     return text + "<role>ASSISTANT</role>"
 
@@ -25,20 +37,21 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], parse_special_tokens: bool = False) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict], parse_special_tokens: bool = False,
+                tools: Optional[list[dict]] = None) -> list[int]:
     """The chat's prompt ids. Message content is text: special-token text inside it (a user typing
     `<|role_end|><role>HUMAN</role>`) is tokenized as plain characters, as with the tokenizer's
     `split_special_tokens`, so a message cannot forge turns; only the template's own markers are
     special tokens. `parse_special_tokens=True` parses them in content too (the old behaviour)."""
     if parse_special_tokens or not any(_holds_special_text(tokenizer, m.get("content")) for m in messages):
-        return encode_text(tokenizer, render_chat(tokenizer, messages))
+        return encode_text(tokenizer, render_chat(tokenizer, messages, tools))
     # Render with a placeholder per content, then tokenize the template's pieces with special
     # tokens and the contents as text. The check below proves the template passed every content
     # through unchanged, so the pieces are exactly the rendered prompt.
     nonce = uuid.uuid4().hex
     holders = [f"\x00fluxlab-{nonce}-{i}\x00" for i in range(len(messages))]
-    pieces = render_chat(tokenizer, [{**m, "content": h} for m, h in zip(messages, holders)]).split("\x00")
-    full = render_chat(tokenizer, messages)
+    pieces = render_chat(tokenizer, [{**m, "content": h} for m, h in zip(messages, holders)], tools).split("\x00")
+    full = render_chat(tokenizer, messages, tools)
     ids: list[int] = []
     spliced = []
     as_text = _text_tokenizer(tokenizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from fluxlab.engine.chat import encode_chat, encode_text
 from fluxlab.server.protocol import ChatCompletionRequest, ServerError
@@ -65,9 +65,10 @@ class PromptEncoder:
         return ids
 
     async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.as_template_message() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         self._bound_text(sum(len(m["content"]) for m in messages), "messages")
-        ids = await self.run(_encode_chat_checked, self.tokenizer, messages, self.parse_special_tokens_in_chat)
+        ids = await self.run(_encode_chat_checked, self.tokenizer, messages, self.parse_special_tokens_in_chat, tools)
         if not ids:
             raise ServerError(400, "messages give an empty prompt", param="messages")
         self._bound_ids(len(ids), "messages")
@@ -97,10 +98,11 @@ def _encode_checked(tokenizer: Any, text: str) -> list[int]:
     return encode_text(tokenizer, text)
 
 
-def _encode_chat_checked(tokenizer: Any, messages: list[dict], parse_special_tokens: bool) -> list[int]:
+def _encode_chat_checked(tokenizer: Any, messages: list[dict], parse_special_tokens: bool,
+                         tools: Optional[list[dict]] = None) -> list[int]:
     for message in messages:
         _check_utf8(message["content"], "messages")
     try:
-        return encode_chat(tokenizer, messages, parse_special_tokens=parse_special_tokens)
+        return encode_chat(tokenizer, messages, parse_special_tokens=parse_special_tokens, tools=tools)
     except Exception as err:  # noqa: BLE001 - a template refusing these messages is a client error
         raise ServerError(400, f"the chat template rejected these messages: {err}", param="messages")

@@ -2,7 +2,7 @@
 
 Bodies accept unknown fields and ignore them (clients send `user`, ...), but a known field of the
 wrong type or out of range is a 400 naming that field, and a known OpenAI field that would change
-the output but is not implemented (logit_bias, tools, echo, logprobs, penalties)
+the output but is not implemented (logit_bias, functions, echo, logprobs, penalties)
 is a 400 naming it, never silently dropped. Every bound is a plain JSON-schema keyword (minimum,
 maximum, minItems, ...), so the OpenAPI document is what the server enforces. Rules that relate
 fields, which JSON Schema cannot state (prompt + max_tokens <= max_model_len, Diffusion-Gemma's
@@ -383,12 +383,31 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant turn made (chat history)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: Optional[StrictStr] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Optional[Union[StrictStr, list[TextPart]]] = None
-    tool_calls: None = _unsupported()
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn's calls
+    tool_call_id: Optional[StrictStr] = None  # a tool turn: the call it answers
+    name: Optional[StrictStr] = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -399,17 +418,63 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"content parts of type {part.get('type')!r} are not supported; only text")
         return value
 
-    @field_validator("tool_calls", mode="before")
-    @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("tool_calls is not supported")
-        return value
-
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def as_template_message(self) -> dict:
+        """The message as a chat template takes it (HF's tool_calls convention: arguments as an object)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[StrictStr, Field(pattern=FUNCTION_NAME)]
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of an object (none: any object)")
+    strict: Optional[StrictBool] = Field(None, description="ignored: the arguments always follow parameters")
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatFields(DecodingFields):
@@ -417,8 +482,13 @@ class ChatFields(DecodingFields):
     max_completion_tokens: Optional[Integer(ge=1)] = None
     logprobs: Optional[Literal[False]] = _unsupported()
     top_logprobs: None = _unsupported()
-    tools: None = _unsupported()
-    tool_choice: None = _unsupported()
+    # Tool calls (docs/structured_output.md, Tools): the reply is held to a grammar built from the tools.
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+        None, validate_default=True, description='"none", "auto" (the default with tools), "required", or '
+                                                 '{"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: Optional[StrictBool] = Field(None, description="true (default): one or more calls; "
+                                                                        "false: exactly one")
     functions: None = _unsupported()
     function_call: None = _unsupported()
 
@@ -429,12 +499,86 @@ class ChatFields(DecodingFields):
             raise ValueError("messages is empty")
         return value
 
-    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", mode="before")
+    @field_validator("logprobs", "top_logprobs", "functions", "function_call", mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info) -> Any:
         if not _is_default(value, (None, False) if info.field_name == "logprobs" else (None,)):
             raise ValueError(f"{info.field_name} is not supported")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _usable_tools(cls, tools: Optional[list[ToolDef]]) -> Optional[list[ToolDef]]:
+        from fluxlab.engine.constraint import Grammar
+        from fluxlab.engine.constraint.tools import arguments_schema
+
+        seen: set[str] = set()
+        for i, tool in enumerate(tools or ()):
+            name = tool.function.name
+            if name in seen:
+                raise ValueError(f"tools: the function name {name!r} appears twice")
+            seen.add(name)
+            where = f"tools[{i}].function.parameters ({name})"
+            try:
+                schema = arguments_schema(tool.function.parameters)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}")
+            problem = Grammar.json_schema(schema).problem()
+            if problem:
+                raise ValueError(f"{where}: {problem}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, choice: Any, info) -> Any:
+        # validate_default: runs also when tool_choice is absent, with the fields before it (tools,
+        # response_format) in info.data. A tools error leaves `tools` out of info.data: nothing to add.
+        if "tools" not in info.data:
+            return choice
+        tools = info.data["tools"] or []
+        if choice is not None and choice != "none" and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools")
+        return choice
+
+    @property
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required", or the named function."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def tool_specs(self) -> list:
+        from fluxlab.engine.constraint.tools import ToolSpec
+
+        return [ToolSpec.of(t.function.name, t.function.parameters) for t in self.tools or ()]
+
+    @property
+    def calls_tools(self) -> bool:
+        """The reply is held to the tools grammar (tools given, tool_choice other than none)."""
+        return bool(self.tools) and self.tool_choice_name != "none"
+
+    @property
+    def grammar(self):
+        text = DecodingFields.grammar.fget(self)
+        if not self.calls_tools:
+            return text
+        from fluxlab.engine.constraint.tools import tool_call_grammar
+
+        return tool_call_grammar(self.tool_specs, self.tool_choice_name, self.parallel_tool_calls is not False, text)
+
+    def tool_problem(self) -> Optional[tuple[str, str]]:
+        """(param, message) when the tools, tool_choice and response_format cannot make one grammar."""
+        if not self.calls_tools:
+            return None
+        try:
+            grammar = self.grammar
+        except ValueError as err:
+            return "response_format", str(err)
+        problem = grammar.problem()
+        return ("tools", problem) if problem else None
 
 
 def request_models(served: ServedFields) -> tuple[type[CompletionFields], type[ChatFields]]:
@@ -506,9 +650,16 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
@@ -517,7 +668,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: None
-    finish_reason: Optional[Literal["stop", "length", "abort"]]
+    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]]
 
 
 class ChatCompletionResponse(BaseModel):

@@ -47,7 +47,9 @@ async def _events(served: ServedModel, generation: Generation, params: SamplingP
             # A client that asked for token ids gets every committed block, also one whose
             # text is still empty (a partial character, or special tokens).
             if delta or item.finished or (shape.return_token_ids and item.new_token_ids):
-                yield _sse(shape.chunk(delta, item))
+                chunk = shape.chunk(delta, item)
+                if chunk is not None:
+                    yield _sse(chunk)
             if item.finished:
                 usage = generation.finish(item)
                 if shape.include_usage:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from fluxlab.engine.request import RequestOutput
+from fluxlab.server.tool_calls import ToolCallStream, finish_reason, reply_message
 
 
 @dataclass
@@ -34,7 +35,8 @@ class ReplyShape:
     def first_chunk(self) -> Optional[dict]:
         return None
 
-    def chunk(self, text: Optional[str], output: RequestOutput) -> dict:
+    def chunk(self, text: Optional[str], output: RequestOutput) -> Optional[dict]:
+        """The stream's chunk for one committed block (None: nothing to send for it)."""
         ids = output.new_token_ids if self.return_token_ids else None
         return self._chunk([_choice(self._delta(text or ""), output.finish_reason, ids)])
 
@@ -70,8 +72,39 @@ class CompletionShape(ReplyShape):
         return {"text": text, "logprobs": None}
 
 
+@dataclass
 class ChatShape(ReplyShape):
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
+    # with tools (tool_choice not none): "auto" (text or calls) or "calls" (required / a named function)
+    tools: Optional[str] = None
+    tool_stream: Optional[ToolCallStream] = None
+
+    @classmethod
+    def of(cls, body: Any, model: str) -> "ChatShape":
+        shape = super().of(body, model)
+        if getattr(body, "calls_tools", False):
+            shape.tools = "auto" if body.tool_choice_name == "auto" else "calls"
+            shape.tool_stream = ToolCallStream(calls_only=shape.tools == "calls")
+        return shape
+
+    def chunk(self, text: Optional[str], output: RequestOutput) -> Optional[dict]:
+        if self.tool_stream is None:
+            return super().chunk(text, output)
+        delta = self.tool_stream.delta(text or "", output.finished)
+        ids = output.new_token_ids if self.return_token_ids else None
+        if delta is None and not output.finished and not ids:
+            return None  # nothing committed yet that says what the reply is
+        reason = finish_reason(output.finish_reason, self.tool_stream.made_calls)
+        return self._chunk([_choice({"delta": delta or {}, "logprobs": None}, reason, ids)])
+
+    def response(self, text: str, last: RequestOutput, usage: dict) -> dict:
+        if self.tools is None:
+            return super().response(text, last, usage)
+        message, made_calls = reply_message(text, calls_only=self.tools == "calls")
+        ids = last.token_ids if self.return_token_ids else None
+        choice = _choice({"message": message, "logprobs": None}, finish_reason(last.finish_reason, made_calls), ids)
+        return {"id": self.request_id, "object": self.response_object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage}
 
     def first_chunk(self) -> Optional[dict]:
         # OpenAI's first chunk carries the role and no content

@@ -76,6 +76,9 @@ async def completion_input(served: ServedModel, body: CompletionFields) -> tuple
 async def chat_input(served: ServedModel, body: ChatFields) -> tuple[list[int], SamplingParams]:
     """A chat body as the engine takes it: the templated conversation's ids and sampling parameters."""
     _check_model(served, body.model)
+    problem = body.tool_problem()
+    if problem:
+        raise ServerError(400, problem[1], param=problem[0])
     prompt_ids = await served.prompts.chat_ids(body)
     return prompt_ids, body.sampling_params(_max_tokens(served, body.max_completion_tokens or body.max_tokens,
                                                         prompt_ids))
