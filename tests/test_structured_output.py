@@ -301,3 +301,24 @@ def test_served_chat_and_completions_answer_in_their_schema(tmp_path):
         jsonschema.validate(json.loads("".join(pieces)), schema)
     finally:
         server.stop()
+
+
+def test_a_request_gets_its_matcher_before_it_is_registered(one_thread, monkeypatch):
+    import fluxlab.engine.constraint as constraint
+
+    llm = make_llm("tiny_llada2", "float32")
+    try:
+        engine = llm.engine
+        request_id = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, grammar=Grammar("json_object")))
+        assert engine.requests[request_id].constraint is not None
+        engine.abort_request(request_id)
+
+        def refuse(vocab, grammar):
+            raise ValueError("invalid json_object: this tokenizer cannot")
+
+        monkeypatch.setattr(constraint, "Constraint", refuse)
+        with pytest.raises(InvalidRequest, match="this tokenizer cannot") as err:
+            engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, grammar=Grammar("json_object")))
+        assert err.value.param == "grammar" and request_id not in engine.requests and len(engine.requests) == 0
+    finally:
+        llm.shutdown()

@@ -368,8 +368,18 @@ class LLMEngine:
             if getattr(params, name) != self.decoding_defaults[name]:
                 raise InvalidRequest(f"{name} is a {owner_of(name).title} decoder knob; {self.cfg.model.name} "
                                      "does not read it", name)
-        return Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
-                       self.hidden_ids)
+        request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
+                          self.hidden_ids)
+        if params.grammar is not None:
+            # made here, before the request is registered, so a grammar llguidance cannot build for this
+            # tokenizer is the caller's error; the vocabulary is the served tokenizer's, built once
+            from fluxlab.engine.constraint import Constraint, GrammarVocab
+
+            try:
+                request.constraint = Constraint(GrammarVocab.of(self.tokenizer, request.eos_ids), params.grammar)
+            except ValueError as err:
+                raise InvalidRequest(str(err), "grammar") from None
+        return request
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

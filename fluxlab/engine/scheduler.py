@@ -50,8 +50,7 @@ class StepOutput:
 
 class TextStops(Protocol):
     """Stop strings and final text (the engine's detokenizer): cuts `request.output_ids` at the first
-    stop string in the newly committed text and says whether it hit one. Its tokenizer is the served
-    one, whose grammar vocabulary constrained requests share (engine/constraint)."""
+    stop string in the newly committed text and says whether it hit one."""
 
     tokenizer: Any
 
@@ -157,12 +156,6 @@ class Scheduler:
         self.num_steps = 0
 
     def add(self, request: Request) -> None:
-        if request.params.grammar is not None and request.constraint is None:
-            from fluxlab.engine.constraint import Constraint, GrammarVocab
-
-            # the tokenizer the stop strings read is the served one: its grammar vocabulary is built once
-            vocab = GrammarVocab.of(self.text_stops.tokenizer, request.eos_ids)
-            request.constraint = Constraint(vocab, request.params.grammar)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
