@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton_helpers import run_interpreter_checks
 
-from fluxlab.engine.layers.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_stacked,
+from fluxlab.engine.layers.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_blocks_rows, dequantize_stacked,
                                        fp8_linear_reference, fp8_moe_reference, quantize_blocks, quantize_stacked,
                                        quantize_token_groups)
 
@@ -170,9 +170,12 @@ def test_fp8_matmul_on_gpu_matches_the_reference(m, n, k):
     q, s = quantize_blocks(torch.randn(n, k, generator=gen) * k ** -0.5)
     want = fp8_linear_reference(x, q, s, torch.float32)
     got = fp8_matmul(x.cuda(), q.cuda(), s.cuda(), torch.float32).cpu()
-    # fp32 out: equal activation codes leave the summation order and Hopper's fp8 MMA, which adds a
-    # 128-deep dot with fewer bits than fp32 (1.2e-4 relative seen on the H200 at BLOCK_M 64)
-    assert ((got - want).norm() / want.norm()).item() < 1e-3
+    # fp32 out against the product of the kernel's own activation codes: what is left is the summation
+    # order and Hopper's fp8 MMA, which adds a 128-deep dot with fewer bits than fp32 (1.2e-4 relative
+    # seen on the H200 at BLOCK_M 64). Against the CPU codes the rare one-step codes add ~2e-3 (H200).
+    own = dequantize_blocks_rows(q_gpu.cpu(), s_gpu.cpu()) @ dequantize_blocks(q, s).t()
+    assert ((got - own).norm() / own.norm()).item() < 1e-3
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
     got16 = fp8_matmul(x.cuda(), q.cuda(), s.cuda()).cpu()
     assert got16.dtype == torch.bfloat16 and ((got16.float() - want).norm() / want.norm()).item() < 1e-2
 
