@@ -8,6 +8,7 @@ longer than max_model_len * max_token_chars needs more tokens than the context h
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, TypeVar
@@ -67,7 +68,10 @@ class PromptEncoder:
     async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.as_template_message() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        self._bound_text(sum(len(m["content"]) for m in messages), "messages")
+        # the tools and earlier calls are prompt text too (the template's, or chat_tools' text form)
+        tool_chars = len(json.dumps(tools)) if tools else 0
+        tool_chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+        self._bound_text(sum(len(m["content"]) for m in messages) + tool_chars, "messages")
         ids = await self.run(_encode_chat_checked, self.tokenizer, messages, self.parse_special_tokens_in_chat, tools)
         if not ids:
             raise ServerError(400, "messages give an empty prompt", param="messages")
