@@ -46,8 +46,9 @@ def test_required_group_options_exist():
 def test_every_group_option_composes_and_validates(group, monkeypatch):
     for option in options(group):
         cuda = option in ("flashinfer", "fa4", "triton")
-        # the canvas decoder runs on Diffusion-Gemma models only (which select it themselves)
-        model = ["model=tiny_diffusion_gemma"] if (group, option) == ("decoding", "canvas") else []
+        # a family's own decoders run on its models only (which select them themselves)
+        own_model = {("decoding", "canvas"): "tiny_diffusion_gemma", ("decoding", "sdar"): "tiny_sdar"}
+        model = [f"model={own_model[group, option]}"] if (group, option) in own_model else []
         cfg, _ = valid([f"{group}={option}"] + model, cuda=cuda)
         assert cfg.engine.device == ("cuda" if cuda else "cpu")
 

@@ -125,7 +125,8 @@ class LLMEngine:
     request_knobs = tuple(k for k in KNOBS if k not in FAMILY_KNOBS)  # the knobs a request to this engine may set
 
     def __init__(self, cfg: DictConfig):
-        family = family_of_model(cfg.model).hooks()
+        self.family = family_of_model(cfg.model)
+        family = self.family.hooks()
         self._init_device(cfg)
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         model_dir = resolve_model_dir(cfg.model)
@@ -361,7 +362,7 @@ class LLMEngine:
         return request_id
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        if params.decoder in FAMILY_DECODERS:
+        if params.decoder in FAMILY_DECODERS and params.decoder not in self.family.decoders:
             raise InvalidRequest(f"decoder={params.decoder} decodes {owner_of(params.decoder).title} models; "
                                  f"{self.cfg.model.name} is not one", "decoder")
         for name in FAMILY_KNOBS:  # resolve() filled them from the config: a different value is the request's

@@ -78,13 +78,19 @@ DIFFUSION_GEMMA = Family("diffusion_gemma", "Diffusion-Gemma", "diffusion_gemma"
                          knobs=("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
                                 "confidence_threshold"))
 
-# SDAR / TraDo (JetAstra/SDAR, Gen-Verse TraDo): model_type sdar (dense) and sdar_moe, one package; both
-# published decoding routines are block decoders (fluxlab/engine/decoding/low_confidence.py, bd3.py).
+# SDAR / TraDo (JetAstra/SDAR, Gen-Verse TraDo): model_type sdar (dense) and sdar_moe, one package; the two
+# published decoding routines are its own block decoders (generate.py's in fluxlab/models/sdar/low_confidence.py,
+# huggingface_bd3.py's in bd3.py), beside the core block decoders.
+SDAR_DECODERS = {"low_confidence_dynamic": "fluxlab.models.sdar.low_confidence:LowConfidenceDynamic",
+                 "low_confidence_static": "fluxlab.models.sdar.low_confidence:LowConfidenceStatic",
+                 "sequential": "fluxlab.models.sdar.low_confidence:Sequential",
+                 "bd3": "fluxlab.models.sdar.bd3:Bd3"}
 SDAR = Family("sdar", "SDAR", "sdar", ("SDARForCausalLM",), group="sdar_8b", decoding="sdar",
-              presets=("tiny_sdar", "sdar_8b"), package="fluxlab.models.sdar", tiny_presets=("tiny_sdar",))
+              presets=("tiny_sdar", "sdar_8b"), package="fluxlab.models.sdar", tiny_presets=("tiny_sdar",),
+              decoders=SDAR_DECODERS)
 SDAR_MOE = Family("sdar_moe", "SDAR-MoE", "sdar_moe", ("SDARMoeForCausalLM",), group="sdar_30b_a3b", decoding="sdar",
                   presets=("tiny_sdar_moe", "sdar_30b_a3b"), package="fluxlab.models.sdar",
-                  tiny_presets=("tiny_sdar_moe",))
+                  tiny_presets=("tiny_sdar_moe",), decoders=SDAR_DECODERS)
 
 FAMILIES: tuple[Family, ...] = (LLADA2, LLADA22, DIFFUSION_GEMMA, SDAR, SDAR_MOE)
 PRESETS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.presets)

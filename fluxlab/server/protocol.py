@@ -142,9 +142,11 @@ def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
         model_dir = resolve_model_dir(cfg.model)
     except ValueError:
         model_dir = None  # random weights without files: the preset says
-    special = family_of_model(cfg.model).hooks().special_ids(model_dir, preset=cfg.model.preset)
+    family = family_of_model(cfg.model)
+    special = family.hooks().special_ids(model_dir, preset=cfg.model.preset)
     return tuple(name for name, decoder in DECODERS.items()
-                 if name not in FAMILY_DECODERS and all(getattr(special, i) is not None for i in decoder.special_ids))
+                 if (name not in FAMILY_DECODERS or name in family.decoders)
+                 and all(getattr(special, i) is not None for i in decoder.special_ids))
 
 
 # Every decoder and knob, no served model's limits: the models a config-free caller validates with.

@@ -3,18 +3,15 @@ reference read decoder names from here and knob ranges from knobs.py."""
 from __future__ import annotations
 
 from fluxlab.engine.decoding.base import Decoder
-from fluxlab.engine.decoding.bd3 import Bd3
 from fluxlab.engine.decoding.hierarchy import Hierarchy
 from fluxlab.engine.decoding.joint_threshold import JointThreshold
 from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX, Knob
 from fluxlab.engine.decoding.levenshtein_joint import LevenshteinJoint
-from fluxlab.engine.decoding.low_confidence import LowConfidenceDynamic, LowConfidenceStatic, Sequential
 from fluxlab.engine.decoding.threshold import Threshold
 from fluxlab.models.registry import FAMILY_DECODERS, load_class
 
 # The block decoders, then the decoders families bring for themselves (fluxlab/models/registry.py).
-DECODERS: dict[str, Decoder] = {d.name: d for d in (Threshold(), Hierarchy(), JointThreshold(), LevenshteinJoint(),
-                                                    LowConfidenceDynamic(), LowConfidenceStatic(), Sequential(), Bd3())}
+DECODERS: dict[str, Decoder] = {d.name: d for d in (Threshold(), Hierarchy(), JointThreshold(), LevenshteinJoint())}
 DECODERS.update({name: load_class(where)() for name, where in FAMILY_DECODERS.items()})
 
 # Knobs every decoder reads: the proposal step samples with them.

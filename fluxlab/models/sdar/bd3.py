@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fluxlab.engine.decoding.low_confidence import LowConfidenceDynamic, published_filter
+from fluxlab.models.sdar.low_confidence import LowConfidenceDynamic, published_filter
 
 
 class Bd3(LowConfidenceDynamic):

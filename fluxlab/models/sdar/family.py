@@ -1,6 +1,6 @@
 """What the engine core asks the SDAR family (SDAR / TraDo, dense `sdar` and MoE `sdar_moe`): `Family.hooks()`
 returns this module. The block engine decodes it (fluxlab/engine/llm_engine.py) with the decoders of SDAR's
-published routines (fluxlab/engine/decoding/low_confidence.py, bd3.py; docs/models.md, SDAR).
+published routines (fluxlab/models/sdar/low_confidence.py, bd3.py; docs/models.md, SDAR).
 """
 from __future__ import annotations
 
