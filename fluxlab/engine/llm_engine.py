@@ -371,16 +371,21 @@ class LLMEngine:
                                      "does not read it", name)
         request = Request(request_id, prompt_ids, params, self.block_length, self.mask_id, self.eos_ids,
                           self.hidden_ids)
-        if params.grammar is not None:
-            # made here, before the request is registered, so a grammar llguidance cannot build for this
-            # tokenizer is the caller's error; the vocabulary is the served tokenizer's, built once
-            from fluxlab.engine.constraint import Constraint, GrammarVocab
-
-            try:
-                request.constraint = Constraint(GrammarVocab.of(self.tokenizer, request.eos_ids), params.grammar)
-            except ValueError as err:
-                raise InvalidRequest(str(err), "grammar") from None
+        self._attach_constraint(request)
         return request
+
+    def _attach_constraint(self, request: Request) -> None:
+        """The request's matcher, when it has a grammar: made before the request is registered, so a
+        grammar llguidance cannot build for this tokenizer is the caller's error; the vocabulary is the
+        served tokenizer's, built once."""
+        if request.params.grammar is None:
+            return
+        from fluxlab.engine.constraint import Constraint, GrammarVocab
+
+        try:
+            request.constraint = Constraint(GrammarVocab.of(self.tokenizer, request.eos_ids), request.params.grammar)
+        except ValueError as err:
+            raise InvalidRequest(str(err), "grammar") from None
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

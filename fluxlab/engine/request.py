@@ -98,8 +98,6 @@ def check_grammar(p: SamplingParams) -> None:
 
     if not isinstance(p.grammar, Grammar):
         raise InvalidRequest(f"grammar={p.grammar!r} must be a fluxlab Grammar", "grammar")
-    if p.decoder == "canvas":
-        raise InvalidRequest("structured output is not available for decoder=canvas (Diffusion-Gemma) yet", "grammar")
     if p.ignore_eos:
         raise InvalidRequest("ignore_eos cannot be combined with a grammar: EOS is where the grammar may end",
                              "ignore_eos")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fluxlab.engine.decoding.base import Decoder
@@ -59,7 +60,9 @@ class CanvasKnobs:
     def temperature(self, forwards_done: int) -> float:
         """The schedule's temperature for the next forward, bit-exact with transformers: its
         cur_step counts down N..1 and the arithmetic runs on a 0-dim int32 tensor (float32 result)."""
-        cur_step = torch.tensor(self.max_denoising_steps - forwards_done, dtype=torch.int32)
+        # (a constrained canvas may denoise past N forwards, docs/structured_output.md: it keeps the last
+        # temperature, cur_step 1; an unconstrained one is final at its N-th, so this never binds for it)
+        cur_step = torch.tensor(max(1, self.max_denoising_steps - forwards_done), dtype=torch.int32)
         return float(self.t_min + ((self.t_max - self.t_min) * (cur_step / self.max_denoising_steps)))
 
 
@@ -94,12 +97,14 @@ class CanvasState:
         self.prev_argmax: Optional[torch.Tensor] = None  # [L] argmax canvas of the previous step
         self.stable_run: Optional[torch.Tensor] = None  # 0-dim: consecutive previous steps with that argmax
         self.soft_embeds: Optional[torch.Tensor] = None  # [L, H] self-conditioning input (None: zeros)
+        # a constrained request's decided positions (constrained.py; host, UNDECIDED where not): None = none
+        self.decided: Optional[np.ndarray] = None
 
     def draw_canvas(self, vocab_size: int, canvas_length: int) -> torch.Tensor:
         """A uniform random canvas [L] (transformers' initialize_canvas at batch 1)."""
         return draw_canvas(self.generator, vocab_size, canvas_length)
 
-    _FIELDS = ("forwards", "needs_canvas", "canvas", "prev_argmax", "stable_run", "soft_embeds")
+    _FIELDS = ("forwards", "needs_canvas", "canvas", "prev_argmax", "stable_run", "soft_embeds", "decided")
 
     def snapshot(self) -> tuple:
         """The state before a step (a step replaces these tensors, never writes into them)."""
@@ -113,7 +118,7 @@ class CanvasState:
 
     def enter_canvas(self) -> None:
         self.forwards = 0
-        self.prev_argmax = self.stable_run = self.soft_embeds = None
+        self.prev_argmax = self.stable_run = self.soft_embeds = self.decided = None
 
 
 @dataclass
@@ -162,6 +167,8 @@ class CanvasStepResult:
     probs: torch.Tensor  # [R, L, V] softmax(processed), fp32 (the CUDA kernel: model dtype): self-conditioning
     argmax: torch.Tensor  # [R, L] argmax canvas (the next step's prev_argmax)
     stable_run: torch.Tensor  # [R] the next step's stable_run
+    taken: Optional[torch.Tensor] = None  # [R, L] bool: the positions accepted this step
+    noise: Optional[torch.Tensor] = None  # [R, L] the renoise draw (the canvas where not accepted)
 
 
 def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStepInputs,
@@ -218,7 +225,7 @@ def denoise_step(logits: torch.Tensor, current: torch.Tensor, inputs: CanvasStep
     confident = entropy.mean(dim=-1) < inputs.confidence_threshold
     final = (stable & confident) | inputs.last
     block = torch.where(final[:, None], argmax, renoised)
-    return CanvasStepResult(block, final, accepted.sum(dim=-1), processed, probs, argmax, new_run)
+    return CanvasStepResult(block, final, accepted.sum(dim=-1), processed, probs, argmax, new_run, accepted, noise)
 
 
 def _entropy(processed: torch.Tensor) -> torch.Tensor:

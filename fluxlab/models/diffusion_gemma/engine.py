@@ -191,4 +191,6 @@ class CanvasEngine(LLMEngine):
         if not values["t_max"] > values["t_min"]:
             raise InvalidRequest(f"t_max={values['t_max']} must be > t_min={values['t_min']} (transformers' rule)",
                                  "t_max")
-        return CanvasRequest(request_id, prompt_ids, params, self.block_length, self.eos_ids, CanvasKnobs(**values))
+        request = CanvasRequest(request_id, prompt_ids, params, self.block_length, self.eos_ids, CanvasKnobs(**values))
+        self._attach_constraint(request)  # a grammar: the canvas rule (constrained.py)
+        return request

@@ -5,7 +5,7 @@ right after committing one block (the canvas just accepted, or a prompt's last b
 largest row size, runs on a `StaticDenoiser` (canvas_static.py): the denoise-only graph when no
 row commits, else the commit graph (2L tokens a row; a row committing nothing writes its dummy
 block to the scratch page). Every other batch (a prefill of several blocks, a commit without a
-canvas, more rows) runs eagerly. Rows are padded to the smallest size of the ladder that holds
+canvas, more rows, a row with a grammar) runs eagerly. Rows are padded to the smallest size of the ladder that holds
 them (attention.cuda_graph_capture_bs and every multiple of ROW_LADDER_STEP up to the largest), full-layer keys to a power of two pages of the batch's longest prefix
 (so a short prefix does not pay for max_model_len; sliding layers always gather their window).
 
@@ -51,8 +51,11 @@ class CanvasGraphs:
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         """Every row denoises its canvas, alone or after committing one block that holds no left
-        padding (a committed canvas, or a prompt's last block), and the rows fit the largest size."""
+        padding (a committed canvas, or a prompt's last block), the rows fit the largest size, and
+        none holds a grammar (constrained.py's mask and walk sit between the logits and the sampler)."""
         if not 0 < len(batch.requests) <= self.sizes[-1] or not batch.decodes.all():
+            return False
+        if any(r.constraint is not None for r in batch.requests):  # the canvas rule's host work runs eagerly
             return False
         if (batch.num_blocks == 1).all():
             return True

@@ -180,16 +180,50 @@ class CanvasRunner:
         for lo in range(0, len(decoding), chunk):
             hi = min(lo + chunk, len(decoding))
             logits = self.model.head(canvas_hidden[lo:hi].flatten(0, 1)).view(hi - lo, L, -1)
-            step = canvas_step(logits, torch.stack([s.canvas for s in states[lo:hi]]), states[lo:hi],
-                               [r.knobs for r in decoding[lo:hi]], inplace=True, raw=True,
-                               softcap=self.model.final_logit_softcapping)
-            soft_next = self.model.soft_embed_probs(step.probs)
-            for i, s in enumerate(states[lo:hi]):
-                s.canvas = step.block[i]
-                s.soft_embeds = soft_next[i]
-            blocks.append(step.block)
-            finals.append(step.final)
+            block, final = self._step_rows(logits, decoding[lo:hi], states[lo:hi])
+            blocks.append(block)
+            finals.append(final)
         return self._finish(decoding, states, torch.cat(blocks), torch.cat(finals))
+
+    def _step_rows(self, logits: torch.Tensor, requests: list[CanvasRequest],
+                   states: list[CanvasState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The canvas step of these rows: (block [n, L], final [n]); stores each state's canvas and
+        self-conditioning input. Rows with a grammar take the canvas rule (constrained.py), the others
+        the plain step with the ops they take in a batch without constrained rows (every op is per row)."""
+        held = [i for i, r in enumerate(requests) if r.constraint is not None]
+        if not held:
+            return self._store(self._plain_step(logits, requests, states), states)
+        from fluxlab.models.diffusion_gemma.constrained import constrained_canvas_step
+
+        block = torch.empty(len(requests), self.block_length, dtype=torch.long, device=logits.device)
+        final = torch.empty(len(requests), dtype=torch.bool, device=logits.device)
+        free = [i for i in range(len(requests)) if requests[i].constraint is None]
+        for rows in (free, held):
+            if not rows:
+                continue
+            at = torch.tensor(rows, device=logits.device)
+            part_logits, part_requests, part_states = logits.index_select(0, at), [requests[i] for i in rows], \
+                [states[i] for i in rows]
+            if rows is held:
+                step = constrained_canvas_step(part_logits, part_requests, part_states,
+                                               self.model.final_logit_softcapping)
+            else:
+                step = self._plain_step(part_logits, part_requests, part_states)
+            part_block, part_final = self._store(step, part_states)
+            block.index_copy_(0, at, part_block)
+            final.index_copy_(0, at, part_final)
+        return block, final
+
+    def _plain_step(self, logits: torch.Tensor, requests: list[CanvasRequest], states: list[CanvasState]):
+        return canvas_step(logits, torch.stack([s.canvas for s in states]), states, [r.knobs for r in requests],
+                           inplace=True, raw=True, softcap=self.model.final_logit_softcapping)
+
+    def _store(self, step, states: list[CanvasState]) -> tuple[torch.Tensor, torch.Tensor]:
+        soft_next = self.model.soft_embed_probs(step.probs)
+        for i, s in enumerate(states):
+            s.canvas = step.block[i]
+            s.soft_embeds = soft_next[i]
+        return step.block, step.final
 
     def _run_static(self, batch: ScheduledBatch) -> StepOutput:
         decoding = list(batch.requests)
