@@ -134,7 +134,11 @@ def test_the_hook_drops_only_the_rules_a_schema_cannot_state():
     assert kept("ST101", 500, "max_tokens", context)  # any other check stays
     assert not kept("ST202", 400, "tool_choice", "tool_choice needs tools")
     assert not kept("ST202", 400, "tools", "tools[0].function.parameters (f): invalid json_schema: ...")
-    assert not kept("ST202", 400, "response_format", 'response_format must be an object with a "type"')
+    assert not kept("ST202", 400, "response_format", "response_format: invalid regex: at 1(8): ...")
+    assert not kept("ST202", 400, "response_format", "a regex response_format cannot be combined with tools (...)")
+    # the document states response_format's shape: refusing one is a finding
+    assert kept("ST202", 400, "response_format", 'response_format must be an object with a "type"')
+    assert kept("ST202", 400, "response_format", "response_format.json_schema.json_schema.name: Field required")
     assert kept("ST202", 400, "tools", "tools.0.function.name: String should match pattern")  # the document says it
 
 

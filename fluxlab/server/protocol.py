@@ -213,6 +213,44 @@ def _decoding_fields(served: ServedFields) -> dict[str, Any]:
     return {"__validators__": validators, **fields}
 
 
+# response_format (docs/structured_output.md): its shape, stated in the document as a union on `type`, so
+# a client (or schemathesis) sees which keys each type needs; what the document cannot state is whether
+# llguidance compiles the schema, regex or Lark text (`_a_grammar`: a 400 naming response_format).
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[StrictStr] = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema",
+                                    description="a JSON schema (none: any JSON value)")
+    strict: Optional[StrictBool] = Field(None, description="ignored: the schema is always enforced")
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(BaseModel):
+    type: Literal["regex"]
+    regex: StrictStr = Field(description="fluxlab extension: the output matches this regular expression")
+
+
+class GrammarFormat(BaseModel):
+    type: Literal["grammar"]
+    grammar: StrictStr = Field(description="fluxlab extension: a Lark grammar (llguidance's dialect)")
+
+
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, GrammarFormat],
+                           Field(discriminator="type")]
+
+
 class DecodingFields(BaseModel):
     """Body fields shared by both endpoints (the decoder and its knobs are added per served model,
     `request_models`). None = the server's config (decoding.*, model.*)."""
@@ -238,10 +276,9 @@ class DecodingFields(BaseModel):
     frequency_penalty: Optional[Annotated[Float, Field(ge=0, le=0)]] = _unsupported()
     repetition_penalty: Optional[Annotated[Float, Field(ge=1, le=1)]] = _unsupported()
     # Structured output (docs/structured_output.md): text, json_object, json_schema, and fluxlab's regex /
-    # grammar (Lark) types; checked here, so a bad schema is a 400 naming response_format.
-    response_format: Optional[dict[str, Any]] = Field(
-        None, description='{"type": "text" | "json_object" | "json_schema" (with "json_schema": {"name", "schema", '
-                          '"strict"}) | "regex" (with "regex") | "grammar" (with "grammar": a Lark grammar)}')
+    # grammar (Lark) types; checked here, so a bad schema is a 400 naming response_format. The field
+    # keeps the body's object (a dict): the grammar is built from it.
+    response_format: Optional[ResponseFormat] = None
 
     @field_validator("n", mode="before")
     @classmethod
@@ -282,14 +319,15 @@ class DecodingFields(BaseModel):
             raise ValueError(f"{info.field_name} is not supported")
         return value
 
-    @field_validator("response_format", mode="before")
+    @field_validator("response_format", mode="wrap")
     @classmethod
-    def _a_grammar(cls, value: Any) -> Any:
+    def _a_grammar(cls, value: Any, handler) -> Any:
         from fluxlab.engine.constraint import grammar_of_response_format
 
         if value is None:
             return None
-        grammar = grammar_of_response_format(value)  # ValueError: the 400's message
+        grammar = grammar_of_response_format(value)  # ValueError: the 400's message (a missing or unknown type)
+        handler(value)  # the shape the document states (json_schema's name, the types of the keys)
         problem = None if grammar is None else grammar.problem()
         if problem:
             raise ValueError(problem)

@@ -7,9 +7,10 @@ The OpenAPI document bounds every field alone. Two rules relate fields, and a sc
   prompt's length is known only once it is tokenized);
 - Diffusion-Gemma: t_max > t_min (transformers' rule), a field left out being the checkpoint's value.
 Nor can it say what makes a grammar usable (docs/structured_output.md): a `response_format` schema,
-regex or Lark text llguidance compiles, a tool's `parameters` that is a JSON schema of an object,
-tool names that differ, a `tool_choice` that names one of the tools (or comes with tools at all), a
-regex or Lark response_format beside tools.
+regex or Lark text llguidance compiles (the document states response_format's shape, a union on
+`type`, so a missing or unknown type or a missing key is a finding), a tool's `parameters` that is a
+JSON schema of an object, tool names that differ, a `tool_choice` that names one of the tools (or
+comes with tools at all), a regex or Lark response_format beside tools.
 So a body the document allows can get a 400, and schemathesis' positive_data_acceptance check (ST202)
 reports it. This hook drops exactly those reports: an ST202 whose 400 names one of these rules.
 Every other check, and every other ST202, stays; schemathesis counts the dropped ones in its summary.
@@ -25,7 +26,7 @@ import schemathesis
 CROSS_FIELD_RULES = (("max_tokens", "max_model_len"), ("prompt", "max_model_len"), ("messages", "max_model_len"),
                      ("t_max", "t_min"),
                      # grammars (fluxlab/engine/constraint: grammar.py's messages, protocol.py's tool checks)
-                     ("response_format", "response_format"), ("response_format", "invalid "),
+                     ("response_format", "invalid "), ("response_format", "cannot be combined with tools"),
                      ("tools", "function.parameters"), ("tools", "appears twice"),
                      ("tool_choice", "needs tools"), ("tool_choice", "not among the tools"))
 
