@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from fluxlab.config import ConfigError, compose, validate_config
+from omegaconf import OmegaConf
+
+from fluxlab.config import CONF_DIR, ConfigError, compose, validate_config
 from fluxlab.models.registry import (DIFFUSION_GEMMA, FAMILIES, LLADA2, LLADA22, UnknownModelFamily,
                                      family_of_config)
 
@@ -28,8 +30,8 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def unknown(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sdar")
-    (folder / "config.json").write_text(json.dumps({"model_type": "sdar", "architectures": ["SDARForCausalLM"]}))
+    folder = tmp_path_factory.mktemp("mdm")  # a family fluxlab does not read (SDAR was one until issue 41)
+    (folder / "config.json").write_text(json.dumps({"model_type": "mdm", "architectures": ["MDMForMaskedLM"]}))
     return folder
 
 
@@ -52,16 +54,19 @@ def test_registry_keys_on_architectures_then_model_type_and_tells_llada22_by_blo
 def test_every_preset_belongs_to_the_family_its_shapes_say():
     from fluxlab.models.diffusion_gemma.checkpoint import PRESET
     from fluxlab.models.llada2.presets import PRESETS
+    from fluxlab.models.sdar.presets import PRESETS as SDAR_PRESETS
 
-    for name, config in PRESETS.items():
+    for name, config in {**PRESETS, **SDAR_PRESETS}.items():
         assert name in family_of_config(config).presets
     assert set(DIFFUSION_GEMMA.presets) == {PRESET, "diffusion_gemma_26b_a4b"}
-    assert sum(len(f.presets) for f in FAMILIES) == len(PRESETS) + 2
+    assert sum(len(f.presets) for f in FAMILIES) == len(PRESETS) + 2 + len(SDAR_PRESETS)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_each_family_group_selects_the_family_decoder(family):
-    assert compose("generate", [f"model={family.group}"]).decoding.decoder == family.decoding
+    """Family.decoding names the conf/decoding group (its decoder may have another name: sdar -> low_confidence_dynamic)."""
+    group = OmegaConf.load(CONF_DIR / "decoding" / f"{family.decoding}.yaml")
+    assert compose("generate", [f"model={family.group}"]).decoding.decoder == group.decoder
 
 
 @pytest.mark.parametrize("preset", TINY)
@@ -107,16 +112,16 @@ def test_a_folder_of_another_family_than_the_chosen_group_is_refused_naming_the_
 def test_an_unknown_family_or_a_folder_without_config_json_is_refused(unknown, tmp_path):
     from fluxlab.llm import LLM
 
-    with pytest.raises(ConfigError, match=r"model_type='sdar' .*supported: llada2_moe \(LLaDA2MoeModelLM: "
+    with pytest.raises(ConfigError, match=r"model_type='mdm' .*supported: llada2_moe \(LLaDA2MoeModelLM: "
                                           r"LLaDA2.0/2.1, LLaDA2.2\), diffusion_gemma"):
         LLM(model=str(unknown))
     with pytest.raises(ConfigError, match=rf"model.path={tmp_path} has no config.json"):
         LLM(model=str(tmp_path))
-    with pytest.raises(ConfigError, match="model_type='sdar'"):  # an explicit group: validation refuses it
+    with pytest.raises(ConfigError, match="model_type='mdm'"):  # an explicit group: validation refuses it
         validate_config(compose("generate", ["model=tiny_llada2", f"model.path={unknown}"] + CPU), cuda_available=False)
     out = _cli("generate", f"model.path={unknown}", "prompt=hi", timeout=60)
     assert out.returncode == 2, out.stderr
-    assert "model_type='sdar'" in out.stderr and "supported: llada2_moe" in out.stderr and "diffusion_gemma" in out.stderr
+    assert "model_type='mdm'" in out.stderr and "supported: llada2_moe" in out.stderr and "diffusion_gemma" in out.stderr
     assert "Traceback" not in out.stderr
     out = _cli("serve", f"model.path={tmp_path}", timeout=60)
     assert out.returncode == 2 and "has no config.json" in out.stderr, out.stderr

@@ -43,8 +43,10 @@ def test_config_request_and_reference_refuse_the_same_values(llm, knob, bad):
 def test_registry_lists_every_decoder_the_config_accepts():
     from fluxlab.config import ConfigError, compose, validate_config
 
-    for name in DECODERS:
-        model = ["model=tiny_diffusion_gemma"] if name == "canvas" else []  # canvases are Diffusion-Gemma's
+    from fluxlab.models.registry import FAMILY_DECODERS, owner_of
+
+    for name in DECODERS:  # a family's own decoder runs on that family's models (canvas: Diffusion-Gemma's)
+        model = [f"model={owner_of(name).group}"] if name in FAMILY_DECODERS else []
         validate_config(compose("generate", [f"decoding.decoder={name}"] + model), cuda_available=False)
     with pytest.raises(ConfigError, match=", ".join(DECODERS)):
         validate_config(compose("generate", ["decoding.decoder=nosuch"]), cuda_available=False)
