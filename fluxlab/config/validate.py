@@ -12,7 +12,7 @@ from omegaconf import DictConfig, open_dict
 
 from fluxlab.config.schema import AttentionConfig, DecodingConfig
 from fluxlab.engine.layers.backends import BACKENDS, GRAPH_BACKENDS, NO_FP32
-from fluxlab.models.registry import FAMILY_DECODERS, FAMILY_KNOBS, UnknownModelFamily, describe, family_of_model, owner_of
+from fluxlab.models.registry import FAMILY_KNOBS, UnknownModelFamily, describe, family_of_model, owner_of
 
 POLICIES = ("paged", "dynamic", "static")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -186,7 +186,7 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
         if family.canvas:
             _notes_canvas(dec, model, notes)
         else:
-            if dec.decoder in FAMILY_DECODERS and dec.decoder not in family.decoders:
+            if family.refuses(dec.decoder):
                 raise ConfigError(f"decoding.decoder={dec.decoder} decodes {owner_of(dec.decoder).title} models only; "
                                   f"{describe(model)} is not one")
             # Canvases are Diffusion-Gemma's blocks: on any other model the key would be ignored.

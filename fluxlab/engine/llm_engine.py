@@ -21,7 +21,7 @@ from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutp
 from fluxlab.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.stop import StopStrings
-from fluxlab.models.registry import FAMILY_DECODERS, FAMILY_KNOBS, family_of_model, owner_of
+from fluxlab.models.registry import FAMILY_KNOBS, family_of_model, owner_of
 
 if TYPE_CHECKING:  # the engine runs on a bare torch machine: no hydra/omegaconf import at run time
     from omegaconf import DictConfig
@@ -362,7 +362,7 @@ class LLMEngine:
         return request_id
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        if params.decoder in FAMILY_DECODERS and params.decoder not in self.family.decoders:
+        if self.family.refuses(params.decoder):
             raise InvalidRequest(f"decoder={params.decoder} decodes {owner_of(params.decoder).title} models; "
                                  f"{self.cfg.model.name} is not one", "decoder")
         for name in FAMILY_KNOBS:  # resolve() filled them from the config: a different value is the request's

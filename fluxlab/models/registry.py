@@ -53,6 +53,10 @@ class Family:
             config.get("model_type") == self.model_type
         return named and self.block_routing == bool(config.get("expert_capacity") or 0)
 
+    def refuses(self, decoder: str) -> bool:
+        """Whether `decoder` is another family's own (Family.decoders), which this family's models do not run."""
+        return decoder in FAMILY_DECODERS and decoder not in self.decoders
+
     def hooks(self):
         """`<package>.family`: what the engine core and the checkpoint command ask this family for."""
         return importlib.import_module(f"{self.package}.family")

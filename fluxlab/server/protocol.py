@@ -29,7 +29,7 @@ from pydantic.types import Strict
 from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob, above_ceiling, work_ceilings
 from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.request import SamplingParams
-from fluxlab.models.registry import FAMILY_DECODERS, FAMILY_KNOBS, family_of_model
+from fluxlab.models.registry import FAMILY_KNOBS, family_of_model
 
 # Strict finite numbers: "0.7" as a string is a client mistake, not something to coerce silently,
 # and JSON's 1e400 parses to inf, which no knob means.
@@ -145,7 +145,7 @@ def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
     family = family_of_model(cfg.model)
     special = family.hooks().special_ids(model_dir, preset=cfg.model.preset)
     return tuple(name for name, decoder in DECODERS.items()
-                 if (name not in FAMILY_DECODERS or name in family.decoders)
+                 if not family.refuses(name)
                  and all(getattr(special, i) is not None for i in decoder.special_ids))
 
 

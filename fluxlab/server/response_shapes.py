@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -15,7 +16,7 @@ from fluxlab.server.tool_calls import ToolCallStream, finish_reason, reply_messa
 
 
 @dataclass
-class ReplyShape:
+class ReplyShape(ABC):
     request_id: str
     model: str  # the served name, whatever name the request used
     created: int
@@ -55,11 +56,13 @@ class ReplyShape:
             out["usage"] = usage
         return out
 
+    @abstractmethod
     def _delta(self, text: str) -> dict:
-        raise NotImplementedError
+        """A streamed chunk's choice body for `text`."""
 
+    @abstractmethod
     def _message(self, text: str) -> dict:
-        raise NotImplementedError
+        """The final response's choice body for `text`."""
 
 
 class CompletionShape(ReplyShape):

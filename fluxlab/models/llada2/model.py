@@ -9,7 +9,6 @@ stacked per layer (see layers/moe.py and engine/loader.py).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +23,11 @@ from fluxlab.engine.layers.moe import MoEGate, StackedExperts, mm_fp32_out_works
 from fluxlab.engine.layers.moe_dispatch import DispatchSizes, combine_tokens, dispatch_tokens
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm, use_fused
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
+from fluxlab.models.config_json import ConfigJson
 
 
 @dataclass
-class LLaDA2MoeConfig:
+class LLaDA2MoeConfig(ConfigJson):
     vocab_size: int = 157184
     hidden_size: int = 2048
     intermediate_size: int = 5120
@@ -100,18 +100,6 @@ class LLaDA2MoeConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.num_experts) and i >= self.first_k_dense_replace
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LLaDA2MoeConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k not in names}
-        return cls(**known, extra=extra)
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        d.update(self.extra)
-        return d
 
 
 def check_block_length(c: LLaDA2MoeConfig, block_length: int) -> None:

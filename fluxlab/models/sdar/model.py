@@ -15,7 +15,6 @@ GEMM and, on CUDA, the fused QK-norm + RoPE kernel serve it as they serve LLaDA2
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -28,12 +27,13 @@ from fluxlab.engine.layers.linear import (ColumnParallelLinear, ParallelDims, Pa
 from fluxlab.engine.layers.moe import StackedExperts
 from fluxlab.engine.layers.norm import RMSNorm, rms_norm, use_fused
 from fluxlab.engine.layers.rotary import PartialRotary, apply_partial_rotary
+from fluxlab.models.config_json import ConfigJson
 
 MODEL_TYPES = ("sdar", "sdar_moe")
 
 
 @dataclass
-class SDARConfig:
+class SDARConfig(ConfigJson):
     """config.json of an SDAR/TraDo checkpoint (the published SDARConfig's fields; the MoE fields are
     Qwen3-MoE's, as SDAR-30B-A3B's config carries them). num_experts = 0: dense."""
 
@@ -85,18 +85,6 @@ class SDARConfig:
         """Qwen3-MoE's rule: an expert layer unless listed in mlp_only_layers, every decoder_sparse_step-th."""
         return (bool(self.num_experts) and i not in self.mlp_only_layers
                 and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SDARConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k not in names}
-        return cls(**known, extra=extra)
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        d.update(self.extra)
-        return d
 
 
 def check_parallel(c: SDARConfig, tp_size: int, ep_size: int) -> None:
