@@ -3,6 +3,7 @@ server.drain_timeout_s and are then aborted with a proper end, and the process e
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import http.client
 import json
 import os
@@ -31,6 +32,16 @@ def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list[str]
     return reader, lines, started
 
 
+def _signal_main_thread(pid: int, sig: int) -> None:
+    """tgkill: the signal lands on the process's main thread (tid == pid), as the server arranges
+    for a process signal by blocking it in its helper threads; a process signal could still land
+    on a native thread (torch's, say), whose handler might run only after the main thread served
+    a request that came with it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, pid, sig) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+
+
 def _chunks(lines: list[str]) -> list[dict]:
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
@@ -52,7 +63,7 @@ def test_requests_arriving_with_sigterm_get_a_503_and_in_flight_ones_finish_with
         # 0.1 s tick; without the stop the requests would race that tick).
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
-            os.kill(server.proc.pid, signal.SIGTERM)
+            _signal_main_thread(server.proc.pid, signal.SIGTERM)
             for i, conn in enumerate(idle):
                 if i == 0:
                     conn.request("GET", "/health")
@@ -63,8 +74,9 @@ def test_requests_arriving_with_sigterm_get_a_503_and_in_flight_ones_finish_with
             os.kill(server.proc.pid, signal.SIGCONT)
         for conn in idle:
             response = conn.getresponse()
-            error = json.loads(response.read())["error"]
-            assert response.status == 503, error
+            body = json.loads(response.read())
+            assert response.status == 503, body
+            error = body["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["code"] == "shutting_down"
             assert response.getheader("connection") == "close"
         assert server.proc.wait(120) == 0
@@ -115,3 +127,19 @@ def test_once_stopping_every_path_is_a_503_in_the_openai_shape():
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "shutting_down"
         assert response.headers["connection"] == "close"
+
+
+def test_the_servers_helper_threads_leave_the_stop_signals_to_the_main_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fluxlab.server.shutdown import block_stop_signals, start_blind_to_stop_signals
+
+    masks: list[set] = []
+    thread = threading.Thread(target=lambda: masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    start_blind_to_stop_signals(thread)
+    thread.join()
+    with ThreadPoolExecutor(1, initializer=block_stop_signals) as pool:
+        masks.append(pool.submit(signal.pthread_sigmask, signal.SIG_BLOCK, []).result())
+    for mask in masks:
+        assert {signal.SIGTERM, signal.SIGINT} <= mask
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the caller's own mask is back

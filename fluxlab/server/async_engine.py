@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams
+from fluxlab.server.shutdown import start_blind_to_stop_signals
 
 log = logging.getLogger("fluxlab.server")
 
@@ -96,7 +97,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ called from the event loop
 
     def start(self) -> None:
-        self._thread.start()
+        start_blind_to_stop_signals(self._thread)
 
     @property
     def alive(self) -> bool:

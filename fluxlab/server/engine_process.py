@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 from fluxlab.config.compose import resolved
 from fluxlab.engine.request import RequestOutput, SamplingParams
 from fluxlab.server.async_engine import AsyncEngine, EngineDead, _Stream, accepted_queue, check_room
+from fluxlab.server.shutdown import start_blind_to_stop_signals
 
 log = logging.getLogger("fluxlab.server")
 
@@ -77,7 +78,7 @@ class EngineProcess:
     # ------------------------------------------------------------------ called from the event loop
 
     def start(self) -> None:
-        self._reader.start()
+        start_blind_to_stop_signals(self._reader)
 
     @property
     def alive(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from fluxlab.engine.chat import encode_chat, encode_text
 from fluxlab.server.protocol import ChatCompletionRequest, ServerError
+from fluxlab.server.shutdown import block_stop_signals
 
 T = TypeVar("T")
 
@@ -38,7 +39,8 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         self.parse_special_tokens_in_chat = parse_special_tokens_in_chat
         self.max_chars = max_model_len * max_token_chars(tokenizer)
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fluxlab-tokenizer")
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fluxlab-tokenizer",
+                                           initializer=block_stop_signals)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -10,6 +10,8 @@ while the abort went out is aborted as soon as the engine has it (`abort_if_stop
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from typing import Awaitable, Callable
 
 from fluxlab.server.early_reply import Receive, Scope, Send, reply_early
@@ -17,6 +19,26 @@ from fluxlab.server.early_reply import Receive, Scope, Send, reply_early
 # How long uvicorn waits, once in-flight requests were aborted, for their responses to end before
 # it cancels them (each ends within one engine step).
 ABORT_GRACE_S = 2.0
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def block_stop_signals() -> None:
+    """Leave SIGTERM/SIGINT to the main thread (a helper thread's first call, or an executor's
+    initializer). The kernel hands a process signal to any thread that does not block it; caught
+    on a helper thread, the main thread may serve a request that came in with the signal before
+    Python runs the handler, and that request would miss its 503."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+
+def start_blind_to_stop_signals(thread: threading.Thread) -> None:
+    """thread.start() with the stop signals blocked in it from its first instruction on."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class Shutdown:
