@@ -72,3 +72,21 @@ def test_forward_kind_times_only_the_whole_batch_in_one_phase():
     assert forward_kind([], 0, 3) == "other"
     # no forward of a kind: the tables print '-' instead of failing the variant
     assert (_num(None), _num(12.345), _num(108.94, 1)) == ("-", "12.35", "108.9")
+
+
+def test_floors_read_a_dense_family_without_shared_experts():
+    """SDAR-8B (dense, no shared experts): every stage is a bf16 GEMM streaming its weights at batch 1,
+    so the serial floor is the weight bytes over the bandwidth, as the max floor is."""
+    from fluxlab.models.sdar.model import SDARConfig
+    from fluxlab.models.sdar.presets import preset_config
+
+    c = SDARConfig.from_dict(dict(preset_config("sdar_8b")))
+    assert experts_hit(c, 64) == 0.0
+    f = decode_floor(c, 1, 4, 512, CEILINGS)
+    stages = serial_floor(c, 1, 4, 4, 512, CEILINGS)
+    assert stages["routed experts"] == 0.0 and stages["router + shared experts"] == 0.0
+    attn = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096
+    params = 36 * (attn + 3 * 4096 * 12288) + 151936 * 4096
+    kv = 512 * 36 * 2 * 8 * 128 * 2
+    assert f["memory_ms"] == pytest.approx(1e3 * (2 * params + kv) / 4.0e12)
+    assert sum(stages.values()) == pytest.approx(f["memory_ms"], rel=1e-9)

@@ -50,7 +50,7 @@ def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: 
     attn = h * (heads + 2 * kv) * d + heads * d * h
     dense_mlp = 3 * h * c.intermediate_size
     expert = 3 * h * c.moe_intermediate_size
-    shared = expert * c.num_shared_experts
+    shared = expert * _shared_experts(c)
     moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     dense_layers = c.num_hidden_layers - moe_layers
     tokens = batch * block
@@ -77,7 +77,14 @@ def experts_hit(config, tokens: int) -> float:
     """Distinct experts a layer's tokens route to if routing spreads them uniformly (random
     weights do, nearly)."""
     c = config
+    if not c.num_experts:  # a dense model (SDAR-8B)
+        return 0.0
     return c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
+
+
+def _shared_experts(config) -> int:
+    """LLaDA2's always-on experts; families without them (SDAR's Qwen3-MoE layout) have none."""
+    return getattr(config, "num_shared_experts", 0) or 0
 
 
 def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens: float, ceilings: dict
@@ -105,7 +112,7 @@ def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens:
         "attention projections": dense(h * (heads + 2 * kv) * d + heads * d * h, tokens, layers),
         "attention": 1e3 * layers * max(kv_bytes / bw, attention_flops / peak),
         "dense mlp": dense(3 * h * c.intermediate_size, tokens, layers - moe_layers),
-        "router + shared experts": dense(h * c.num_experts + expert * c.num_shared_experts, tokens, moe_layers),
+        "router + shared experts": dense(h * c.num_experts + expert * _shared_experts(c), tokens, moe_layers),
         "routed experts": 1e3 * moe_layers * max(2 * experts_hit(c, tokens) * expert / bw,
                                                  2 * expert * tokens * c.num_experts_per_tok / peak),
         "lm head": dense(c.vocab_size * h, logit_rows, 1),

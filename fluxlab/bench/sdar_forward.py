@@ -5,9 +5,11 @@
 
 The forward is SDARModel's own (fused QKV, the fused QK-norm + RoPE kernel, SwiGLU, the head over the block's
 rows); attention is torch SDPA of each row's block queries over a preallocated K/V cache plus the block (the
-memory a paged kernel reads; fluxlab's paged backends are not in this measurement). The floor beside each
-number is the larger of (bytes read: the weights the forward touches + the rows' cached K/V) / HBM bandwidth and
-FLOPs / the bf16 dense rate, at the H200's datasheet 4.8 TB/s and ~990 TFLOP/s (--hbm-tbs, --tflops).
+memory a paged kernel reads; fluxlab's paged backends are not in this measurement: for the engine's own
+forward through them, `python -m fluxlab.bench.roofline --preset sdar_8b --block 4 --steps 4`). Beside each
+number: the roofline bench's floors (fluxlab/bench/roofline.py), the larger of bytes / HBM bandwidth and FLOPs /
+the bf16 rate, and the serial floor (the stages' floors in sequence), from ceilings measured in the same run
+(or --hbm-tbs and --tflops, e.g. the H200's datasheet 4.8 and 990).
 Prints a table last; writes JSON to --out (or $OUT/sdar_forward.json).
 """
 from __future__ import annotations
@@ -41,27 +43,15 @@ class CachedBlockAttention:
         return o.transpose(1, 2).reshape(B * bl, *o.shape[1:2], o.shape[-1])
 
 
-def floor(config, batch: int, block: int, context: int, hbm: float, flops_rate: float) -> dict:
-    c = config
-    h, d = c.hidden_size, c.head_dim
-    attn = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * d + c.num_attention_heads * d * h
-    tokens = batch * block
-    if c.num_experts:
-        moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-        expert = 3 * h * c.moe_intermediate_size
-        hit = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
-        read_mlp = moe * (hit * expert + h * c.num_experts) + (c.num_hidden_layers - moe) * 3 * h * c.intermediate_size
-        active_mlp = moe * c.num_experts_per_tok * expert + (c.num_hidden_layers - moe) * 3 * h * c.intermediate_size
-    else:
-        read_mlp = active_mlp = c.num_hidden_layers * 3 * h * c.intermediate_size
-    head = c.vocab_size * h
-    weight_bytes = 2 * (c.num_hidden_layers * attn + read_mlp + head)
-    kv_bytes = 2 * batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * d
-    flops = (2 * (c.num_hidden_layers * attn + active_mlp + head) * tokens
-             + 4 * tokens * (context + block) * c.num_attention_heads * d * c.num_hidden_layers)
-    memory_ms, compute_ms = 1e3 * (weight_bytes + kv_bytes) / hbm, 1e3 * flops / flops_rate
-    return {"floor_ms": max(memory_ms, compute_ms), "memory_ms": memory_ms, "compute_ms": compute_ms,
-            "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9, "tflop": flops / 1e12}
+def floors(config, batch: int, block: int, context: int, ceilings: dict) -> dict:
+    """The roofline bench's two floors for this forward: the larger of bytes/HBM and FLOPs/rate, and
+    the serial floor (its stages' floors added up), with every block row through the head as here."""
+    from fluxlab.bench.roofline import decode_floor, serial_floor
+
+    f = decode_floor(config, batch, block, context, ceilings)
+    serial = serial_floor(config, batch, block, batch * block, context, ceilings)
+    return {"floor_ms": f["floor_ms"], "memory_ms": f["memory_ms"], "compute_ms": f["compute_ms"],
+            "serial_floor_ms": sum(serial.values()), "serial_stages_ms": serial}
 
 
 def time_ms(fn, iters: int) -> float:
@@ -85,11 +75,17 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--hbm-tbs", type=float, default=4.8)
-    ap.add_argument("--tflops", type=float, default=990.0)
+    ap.add_argument("--hbm-tbs", type=float, default=None, help="HBM TB/s for the floors (default: measured now)")
+    ap.add_argument("--tflops", type=float, default=None, help="bf16 TFLOP/s for the floors (default: measured now)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
+    if args.hbm_tbs and args.tflops:
+        ceilings = {"hbm_bytes_per_s": args.hbm_tbs * 1e12, "bf16_flops_per_s": args.tflops * 1e12}
+    else:
+        from fluxlab.bench.roofline import measure_ceilings
+
+        ceilings = measure_ceilings()
     model, config = build_random_model(preset_config(args.preset), dtype, device, seed=0)
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
@@ -112,19 +108,19 @@ def main() -> None:
             with torch.cuda.graph(graph):
                 forward()
             graphed = time_ms(graph.replay, args.iters)
-        f = floor(config, batch, args.block, args.context, args.hbm_tbs * 1e12, args.tflops * 1e12)
+        f = floors(config, batch, args.block, args.context, ceilings)
         rows.append({"batch": batch, "eager_ms": eager, "graph_ms": graphed, **f})
         del attn, graph
         torch.cuda.empty_cache()
-    result = {"preset": args.preset, "block": args.block, "context": args.context, "gpu": torch.cuda.get_device_name(),
+    result = {"ceilings": ceilings, "preset": args.preset, "block": args.block, "context": args.context, "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "rows": rows}
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "sdar_forward.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"{args.preset} block {args.block}, {args.context} cached tokens a row, {result['gpu']}")
-    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'memory':>7} {'compute':>8} {'graph/floor':>11}")
+    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'serial floor':>12} {'graph/serial':>12}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['floor_ms']:>9.3f} {r['memory_ms']:>7.3f} "
-              f"{r['compute_ms']:>8.3f} {r['graph_ms'] / r['floor_ms']:>11.2f}")
+        print(f"{r['batch']:>5} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['floor_ms']:>9.3f} "
+              f"{r['serial_floor_ms']:>12.3f} {r['graph_ms'] / r['serial_floor_ms']:>12.2f}")
 
 
 if __name__ == "__main__":
