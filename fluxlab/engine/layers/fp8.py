@@ -118,6 +118,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_linears(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """`fp8_linear` of one input with several weights (q/k/v, gate/up): on the kernel path x is
+    quantized once and the pair shared; the numbers are those of separate `fp8_linear` calls."""
+    if not use_fp8_kernel(x):
+        return [fp8_linear_reference(x, w, s) for w, s in weights]
+    from fluxlab.kernels.fp8_gemm import fp8_matmul, quantize_act
+
+    pair = quantize_act(x.reshape(-1, x.shape[-1]))
+    return [fp8_matmul(pair, w, s, x.dtype).view(*x.shape[:-1], w.shape[0]) for w, s in weights]
+
+
 def fp8_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                       w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
                       adds: tuple = (), activation: str = "silu") -> torch.Tensor:
@@ -143,3 +154,16 @@ def fp8_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torc
     for a in adds:
         y = y + a
     return y
+
+
+def fp8_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w_gate_up: torch.Tensor,
+            s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor, adds: tuple = (),
+            activation: str = "silu", config=None) -> torch.Tensor:
+    """The FP8 routed experts: CUDA (or the interpreter) the Triton fused MoE, CPU its reference.
+    config: the kernel's FP8MoEConfig (one per model, never per batch: batch invariance)."""
+    args = (x, topk_idx, topk_weight, w_gate_up, s_gate_up, w_down, s_down)
+    if use_fp8_kernel(x):
+        from fluxlab.kernels.fp8_moe import fp8_fused_moe
+
+        return fp8_fused_moe(*args, config=config, adds=adds, activation=activation)
+    return fp8_moe_reference(*args, adds=adds, activation=activation)

@@ -14,6 +14,10 @@ Two ways in:
   converted with `fp8_structure_` (the empty FP8 layers) and writes one from a
   bf16 checkpoint folder, with the quantizer here.
 
+`quantize_model_` / `fp8_structure_` convert the block engine's layers (LinearBase, StackedExperts).
+Diffusion-Gemma has layers of its own and converts them itself with `Fp8Linear` and `fp8_moe`
+(fluxlab/models/diffusion_gemma/fp8_checkpoint.py).
+
 One GPU only for now: the block scales are not cut for tensor or expert parallel shards.
 """
 from __future__ import annotations
@@ -24,8 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fluxlab.engine.layers.fp8 import (BLOCK, FP8_DTYPE, fp8_linear, fp8_moe_reference, num_blocks, quantize_blocks,
-                                       quantize_stacked, use_fp8_kernel)
+from fluxlab.engine.layers.fp8 import BLOCK, FP8_DTYPE, fp8_linear, fp8_moe, num_blocks, quantize_blocks, quantize_stacked
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [BLOCK, BLOCK]}
@@ -44,6 +47,15 @@ class Fp8Linear(nn.Module):
         self.weight = _param(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.weight_scale_inv = _param(torch.empty(num_blocks(out_features), num_blocks(in_features),
                                                    dtype=torch.float32, device=device))
+
+    @classmethod
+    @torch.no_grad()
+    def quantized(cls, weight: torch.Tensor) -> "Fp8Linear":
+        """The FP8 layer of a high-precision weight [out, in] (quantized per 128x128 block)."""
+        layer = cls(*weight.shape, device="meta")
+        q, s = quantize_blocks(weight)
+        layer.weight, layer.weight_scale_inv = _param(q), _param(s)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv)
@@ -68,13 +80,8 @@ class Fp8StackedExperts(nn.Module):
         self.w_down_scale_inv = _param(torch.empty(num_experts, hb, nb, dtype=torch.float32, device=device))
 
     def forward(self, x, topk_idx, topk_weight, adds: tuple = ()):
-        args = (x, topk_idx, topk_weight, self.w_gate_up, self.w_gate_up_scale_inv, self.w_down,
-                self.w_down_scale_inv)
-        if use_fp8_kernel(x):
-            from fluxlab.kernels.fp8_moe import fp8_fused_moe
-
-            return fp8_fused_moe(*args, adds=adds)
-        return fp8_moe_reference(*args, adds=adds)
+        return fp8_moe(x, topk_idx, topk_weight, self.w_gate_up, self.w_gate_up_scale_inv, self.w_down,
+                       self.w_down_scale_inv, adds=adds)
 
 
 def _targets(model: nn.Module):
@@ -138,9 +145,7 @@ def quantize_model_(model: nn.Module) -> nn.Module:
             q, s = quantize_blocks(child.w_down.data)
             fp8.w_down, fp8.w_down_scale_inv = _param(q), _param(s)
         else:
-            fp8 = Fp8Linear(*child.weight.shape, device="meta")
-            q, s = quantize_blocks(child.weight.data)
-            fp8.weight, fp8.weight_scale_inv = _param(q), _param(s)
+            fp8 = Fp8Linear.quantized(child.weight.data)
         setattr(parent, name, fp8)
         del child
     return model

@@ -79,19 +79,14 @@ def _warn_on_canvas_mismatch(model_dir: Optional[Path], canvas_length: int) -> N
 class CanvasEngine(LLMEngine):
     request_knobs = CANVAS_KNOBS
     def __init__(self, cfg: DictConfig):  # noqa: D107 - mirrors LLMEngine.__init__ for this model
-        from fluxlab.models.diffusion_gemma.loader import load_diffusion_gemma
+        from fluxlab.models.diffusion_gemma.loader import load_model
 
         self._init_device(cfg)
         if cfg.parallel.tp_size > 1:
             raise ValueError("parallel.tp_size > 1: Diffusion-Gemma runs on one device in this build")
         model_dir = canvas_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-        if model_dir is None:
-            from fluxlab.models.diffusion_gemma.presets import build_random_diffusion_gemma
-
-            self.model = build_random_diffusion_gemma(cfg.model.preset, self.dtype, self.device, cfg.engine.seed)
-        else:
-            self.model = load_diffusion_gemma(model_dir, self.dtype, self.device)
+        self.model = load_model(cfg.model, model_dir, self.dtype, self.device, cfg.engine.seed)  # model.quantization too
         self.model_config = self.model.config
         self.generation_defaults = read_generation_defaults(model_dir)
         self.eos_ids = eos_ids_of(model_dir, self.model_config)

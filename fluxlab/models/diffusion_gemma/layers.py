@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fluxlab.engine.layers.fp8 import fp8_linears, fp8_moe, num_blocks, quantize_blocks, quantize_stacked
+from fluxlab.engine.layers.quantization import Fp8Linear
 from fluxlab.kernels import gemma_norm  # CUDA bf16: the norms fused with their adds and RoPE
 from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
 
@@ -30,6 +32,18 @@ class GemmaRMSNorm(nn.Module):
         if self.weight is not None:
             out = out * self.weight.float()
         return out.type_as(x)
+
+
+def project(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """x @ layer.weight.T: the batch-invariant matmul, or the FP8 GEMM of an `Fp8Linear` (model.quantization=fp8)."""
+    return layer(x) if isinstance(layer, Fp8Linear) else linear(x, layer.weight)
+
+
+def project_all(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
+    """`project` of one input by several layers; FP8 layers share one quantization of x on the GPU."""
+    if all(isinstance(layer, Fp8Linear) for layer in layers):
+        return fp8_linears(x, [(layer.weight, layer.weight_scale_inv) for layer in layers])
+    return [project(x, layer) for layer in layers]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,20 +74,16 @@ class GemmaAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[0]
+        projections = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
+        q, k_raw, *v = project_all(x, *projections)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k_raw = k_raw.view(n, self.num_kv_heads, self.head_dim)
+        v_raw = v[0].view(n, self.num_kv_heads, self.head_dim) if v else k_raw
         if gemma_norm.use_kernel(x):  # norm + rotation in one pass a tensor
-            q = linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)
-            k_raw = linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
-            v_raw = (linear(x, self.v_proj.weight).view(n, self.num_kv_heads, self.head_dim)
-                     if self.v_proj is not None else k_raw)
             return (gemma_norm.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin),
                     gemma_norm.norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin),
                     gemma_norm.norm_rope(v_raw, None, self.v_norm.eps))
-        q = rotate(self.q_norm(linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)), cos, sin)
-        k_raw = linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
-        v_raw = (linear(x, self.v_proj.weight).view(n, self.num_kv_heads, self.head_dim) if self.v_proj is not None
-                 else k_raw)
-        k = rotate(self.k_norm(k_raw), cos, sin)
-        return q, k, self.v_norm(v_raw)
+        return rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k_raw), cos, sin), self.v_norm(v_raw)
 
 
 class GemmaMLP(nn.Module):
@@ -84,8 +94,8 @@ class GemmaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
+        gate, up = project_all(x, self.gate_proj, self.up_proj)
+        return project(F.gelu(gate, approximate="tanh") * up, self.down_proj)
 
 
 class GemmaRouter(nn.Module):
@@ -160,6 +170,43 @@ class GemmaExperts(nn.Module):
         return out
 
 
+class Fp8GemmaExperts(nn.Module):
+    """`GemmaExperts` with e4m3 weights (model.quantization=fp8), named as the checkpoint names them plus
+    `_scale_inv`: gate_up_proj [E, 2I, H] with gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)]
+    (a 128x128 grid for the gate half, then one for the up half: the 26B-A4B's I = 704 = 5.5 x 128
+    would otherwise put gate and up rows in one block), down_proj [E, H, I] with down_proj_scale_inv
+    [E, ceil(H/128), ceil(I/128)]. CUDA: the FP8 fused MoE with gelu-tanh (kernels/fp8_moe.py: one
+    tile config, sync-free, so static and batch invariant); CPU: its dequantize reference."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None):
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = _frozen(torch.empty(e, 2 * i, h, dtype=torch.float8_e4m3fn, device=device))
+        self.gate_up_proj_scale_inv = _frozen(torch.empty(e, 2 * num_blocks(i), num_blocks(h), device=device))
+        self.down_proj = _frozen(torch.empty(e, h, i, dtype=torch.float8_e4m3fn, device=device))
+        self.down_proj_scale_inv = _frozen(torch.empty(e, num_blocks(h), num_blocks(i), device=device))
+
+    @classmethod
+    @torch.no_grad()
+    def quantized(cls, experts: GemmaExperts) -> "Fp8GemmaExperts":
+        e, two_i, h = experts.gate_up_proj.shape
+        fp8 = cls(e, h, two_i // 2, device="meta")
+        q, s = quantize_stacked(experts.gate_up_proj.data, 2)
+        fp8.gate_up_proj, fp8.gate_up_proj_scale_inv = _frozen(q), _frozen(s)
+        q, s = quantize_blocks(experts.down_proj.data)
+        fp8.down_proj, fp8.down_proj_scale_inv = _frozen(q), _frozen(s)
+        return fp8
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                static: bool = False) -> torch.Tensor:
+        return fp8_moe(x, index, weights, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                       self.down_proj_scale_inv, activation="gelu_tanh")
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
 def _fused_ok(x: torch.Tensor) -> bool:
     from fluxlab.kernels.fused_moe import HAVE_TRITON
 
@@ -227,7 +274,7 @@ class GemmaDecoderLayer(nn.Module):
     def feed_forward(self, x: torch.Tensor, o: torch.Tensor, static: bool,
                      scalar: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the layer after attention (output `o`), times `scalar` (the layer scalar) if given."""
-        attn_out = linear(o.reshape(x.shape[0], -1), self.self_attn.o_proj.weight)
+        attn_out = project(o.reshape(x.shape[0], -1), self.self_attn.o_proj)
         if gemma_norm.use_kernel(x) and (scalar is None or scalar.dtype == x.dtype):
             return self._fused_feed_forward(x, attn_out, static, scalar)
         x = x + self.post_attention_layernorm(attn_out)
