@@ -111,7 +111,6 @@ def test_fp8_answers_the_held_out_problems_as_bf16_does(one_thread):
 
 FP8_RULES = [
     (["model.quantization=int4"], "model.quantization='int4': use none or fp8"),
-    (["model.quantization=fp8", "model=tiny_diffusion_gemma"], "model.quantization=fp8: "),
     (["model.quantization=fp8", "parallel=tp2"], "FP8 runs on one GPU"),
     (["model.quantization=fp8", "engine.moe_backend=loop"], "engine.moe_backend=loop with model.quantization=fp8"),
     (["model.kv_cache_dtype=fp8_e4m3"], "model.kv_cache_dtype='fp8_e4m3': only auto"),

@@ -48,7 +48,8 @@ class ModelConfig:
     trust_remote_code: bool = key(True, "let the tokenizer run the code in the checkpoint folder")
     quantization: str = key("none", "none | fp8: e4m3 weights with 128x128 block scales (weight_scale_inv) for the projections and "
                                     "routed experts, activations per 128-wide token group; router, norms, embeddings and lm_head "
-                                    "unquantized. LLaDA2 on one GPU or CPU; quantizes bf16 weights at load or reads an FP8 checkpoint")
+                                    "unquantized (Diffusion-Gemma: its self-conditioning MLP too). LLaDA2 and Diffusion-Gemma on one GPU or CPU; "
+                                    "quantizes bf16 weights at load or reads an FP8 checkpoint")
     kv_cache_dtype: str = key("auto", "auto (the model dtype) | fp8_e4m3 (refused: no attention backend reads an FP8 cache yet)")
 
 
