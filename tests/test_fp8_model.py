@@ -113,7 +113,7 @@ FP8_RULES = [
     (["model.quantization=int4"], "model.quantization='int4': use none or fp8"),
     (["model.quantization=fp8", "parallel=tp2"], "FP8 runs on one GPU"),
     (["model.quantization=fp8", "engine.moe_backend=loop"], "engine.moe_backend=loop with model.quantization=fp8"),
-    (["model.kv_cache_dtype=fp8_e4m3"], "model.kv_cache_dtype='fp8_e4m3': only auto"),
+    (["model.kv_cache_dtype=fp8_e5m2"], "model.kv_cache_dtype='fp8_e5m2': use auto or fp8_e4m3"),
 ]
 
 

@@ -50,7 +50,8 @@ class ModelConfig:
                                     "routed experts, activations per 128-wide token group; router, norms, embeddings and lm_head "
                                     "unquantized (Diffusion-Gemma: its self-conditioning MLP too). LLaDA2 and Diffusion-Gemma on one GPU or CPU; "
                                     "quantizes bf16 weights at load or reads an FP8 checkpoint")
-    kv_cache_dtype: str = key("auto", "auto (the model dtype) | fp8_e4m3 (refused: no attention backend reads an FP8 cache yet)")
+    kv_cache_dtype: str = key("auto", "KV pages: auto (the model dtype) | fp8_e4m3 (half the bytes, twice the pages; per-layer "
+                                      "scales 1.0, static; attention sdpa or triton; LLaDA2 and SDAR)")
 
 
 @dataclass
@@ -67,7 +68,8 @@ class SchedulerConfig:
 
 @dataclass
 class AttentionConfig:
-    backend: str = key("auto", "auto = flashinfer on CUDA (triton without it), sdpa on CPU and fp32; sdpa | flashinfer | fa4 | triton")
+    backend: str = key("auto", "auto = flashinfer on CUDA (triton without it or with an FP8 KV cache), sdpa on CPU and "
+                                      "fp32; sdpa | flashinfer | fa4 | triton")
     use_cuda_graph: bool = key(False, "the reference system's --use-cuda-graph: turns on decode graphs")
     use_prefill_cuda_graph: bool = key(False, "CUDA graphs for prefill / mixed forwards up to cuda_graph_capture_sizes tokens")
     use_decode_cuda_graph: bool = key(False, "CUDA graphs for decode batches up to cuda_graph_capture_bs rows")

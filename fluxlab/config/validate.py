@@ -11,7 +11,7 @@ from typing import Optional
 from omegaconf import DictConfig, open_dict
 
 from fluxlab.config.schema import AttentionConfig, DecodingConfig
-from fluxlab.engine.layers.backends import BACKENDS, GRAPH_BACKENDS, NO_FP32
+from fluxlab.engine.layers.backends import BACKENDS, FP8_KV_BACKENDS, GRAPH_BACKENDS, KV_CACHE_DTYPES, NO_FP32
 from fluxlab.models.registry import FAMILY_KNOBS, UnknownModelFamily, describe, family_of_model, owner_of
 
 POLICIES = ("paged", "dynamic", "static")
@@ -225,9 +225,11 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
             _check(eng.moe_backend in ("auto", "triton"),
                    f"engine.moe_backend={eng.moe_backend} with model.quantization=fp8: the FP8 experts run the FP8 "
                    "Triton kernel on a GPU and its dequantize reference on CPU; use auto")
-        _check(model.kv_cache_dtype == "auto",
-               f"model.kv_cache_dtype={model.kv_cache_dtype!r}: only auto (the model dtype); an fp8_e4m3 cache is not "
-               "read by any attention backend yet")
+        _check(model.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"model.kv_cache_dtype={model.kv_cache_dtype!r}: use {' or '.join(KV_CACHE_DTYPES)}")
+        _check(model.kv_cache_dtype == "auto" or not family.canvas,
+               f"model.kv_cache_dtype={model.kv_cache_dtype}: {describe(model)} (Diffusion-Gemma) keeps its canvas "
+               "pages (fluxlab/models/diffusion_gemma/pages.py) in the model dtype; use model.kv_cache_dtype=auto")
         _check(model.max_model_len >= bl,
                f"model.max_model_len={model.max_model_len} must be >= decoding.block_length={bl}")
         _check(1 <= model.max_new_tokens < model.max_model_len,
@@ -276,13 +278,19 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
             # the [gpu] extra, fluxlab's own Triton kernel (triton comes with CUDA builds of torch).
             attn.backend = "sdpa"
             if on_cuda and eng.dtype != "float32":
-                if _flashinfer_installed():
+                if model.kv_cache_dtype != "auto" and _triton_installed():
+                    attn.backend = "triton"  # the GPU backend that reads FP8 pages
+                elif _flashinfer_installed():
                     attn.backend = "flashinfer"
                 elif _triton_installed():
                     attn.backend = "triton"
                     notes.append("attention=auto: flashinfer is not installed (pip install flashinfer-python, or "
                                  "the [gpu] extra); using attention=triton")
         _check(attn.backend in BACKENDS, f"attention.backend={attn.backend!r}: use one of auto, {', '.join(BACKENDS)}")
+        _check(model.kv_cache_dtype == "auto" or attn.backend in FP8_KV_BACKENDS,
+               f"model.kv_cache_dtype={model.kv_cache_dtype} with attention.backend={attn.backend}: only "
+               f"{' and '.join(FP8_KV_BACKENDS)} read FP8 KV pages (fluxlab/engine/layers/kv_fp8.py; the FP8 paths of "
+               "FlashInfer and FA4 are not wired in); use attention=triton or attention=sdpa")
         _check(on_cuda or attn.backend == "sdpa",
                f"attention.backend={attn.backend} needs a CUDA device but engine.device={eng.device}; "
                "use attention=sdpa on CPU")

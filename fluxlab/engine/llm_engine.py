@@ -16,6 +16,7 @@ from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.decoding.knobs import above_ceiling, work_ceilings
 from fluxlab.engine.decoding.registry import DECODERS, KNOBS, get_decoder
 from fluxlab.engine.layers.attention import KVCache
+from fluxlab.engine.layers.kv_fp8 import kv_storage_dtype
 from fluxlab.engine.model_runner import ModelRunner, StepInputs
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
 from fluxlab.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
@@ -173,7 +174,8 @@ class LLMEngine:
         cfg = self.cfg
         return self.runner_class(self.model, self.block_manager.num_pages, self.block_length, self.device,
                                  self.dtype, backend, self.max_model_len // self.block_length,
-                                 cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids())
+                                 cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids(),
+                                 kv_cache_dtype=cfg.model.kv_cache_dtype)
 
     def _init_device(self, cfg: DictConfig) -> None:
         """engine.device / dtype / seed: a bare "cuda" is pinned to the current card."""
@@ -229,7 +231,8 @@ class LLMEngine:
     def _page_bytes(self) -> int:
         c = self.model_config
         kv_heads = getattr(self.model, "num_local_kv_heads", c.num_key_value_heads)
-        return KVCache.bytes_per_page(c.num_hidden_layers, self.block_length, kv_heads, c.head_dim, self.dtype)
+        return KVCache.bytes_per_page(c.num_hidden_layers, self.block_length, kv_heads, c.head_dim,
+                                      kv_storage_dtype(self.cfg.model.kv_cache_dtype, self.dtype))
 
     def _profile_num_pages(self, free_at_start: int) -> int:
         """Pages that fit in (gpu_memory_utilization - safety reserve) of the card after the weights
@@ -238,7 +241,8 @@ class LLMEngine:
         bl = self.block_length
         rows = self.cfg.scheduler.max_scheduled_tokens // bl
         probe = ModelRunner(self.model, rows, bl, self.device, self.dtype, self.cfg.attention.backend,
-                            self.max_model_len // bl, self.cfg.scheduler.max_num_seqs, self.mask_id)
+                            self.max_model_len // bl, self.cfg.scheduler.max_num_seqs, self.mask_id,
+                            kv_cache_dtype=self.cfg.model.kv_cache_dtype)
         # The widest forward: every row one block, every seat's block needing logits at each position.
         decoding = min(rows, self.cfg.scheduler.max_num_seqs) * bl
         fake = StepInputs(np.zeros(rows * bl, dtype=np.int64), np.tile(np.arange(bl), rows),

@@ -25,8 +25,9 @@ from fluxlab.engine.decoding.registry import DECODERS
 from fluxlab.engine.decoding.base import DecodeBatch
 from fluxlab.engine.decoding.step import decode
 from fluxlab.engine.layers.moe import check_routing_blocks
-from fluxlab.engine.layers.backends import GRAPH_BACKENDS
-from fluxlab.engine.layers.attention import AttentionMetadata, KVCache, SdpaAttention, build_metadata
+from fluxlab.engine.layers.backends import FP8_KV_BACKENDS, GRAPH_BACKENDS
+from fluxlab.engine.layers.attention import AttentionMetadata, SdpaAttention, build_metadata
+from fluxlab.engine.layers.kv_fp8 import make_kv_cache
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
@@ -120,7 +121,7 @@ class DecodeInputs:
 class ModelRunner:
     def __init__(self, model, num_pages: int, block_length: int, device: torch.device, dtype: torch.dtype,
                  backend: str = "sdpa", max_blocks_per_seq: int = 64, max_num_seqs: int = 8, mask_id: int = 0,
-                 special: Optional[dict[str, int]] = None):
+                 special: Optional[dict[str, int]] = None, kv_cache_dtype: str = "auto"):
         cfg = model.config
         self.model = model
         self.block_length = block_length
@@ -134,8 +135,8 @@ class ModelRunner:
         self.num_qo_heads = getattr(model, "num_local_heads", cfg.num_attention_heads)  # per TP rank
         self.num_kv_heads = getattr(model, "num_local_kv_heads", cfg.num_key_value_heads)
         # One page past the budget takes the K/V writes of padded graph rows.
-        self.cache = KVCache(cfg.num_hidden_layers, num_pages + 1, block_length, self.num_kv_heads, cfg.head_dim,
-                             dtype, device)
+        self.cache = make_kv_cache(kv_cache_dtype, cfg.num_hidden_layers, num_pages + 1, block_length,
+                                   self.num_kv_heads, cfg.head_dim, dtype, device)
         self.scratch_page = num_pages
         self.scratch_slots = torch.arange(num_pages * block_length, (num_pages + 1) * block_length, device=device)
         self._flashinfer_workspace = None  # one for every FlashInfer wrapper (eager and graphs)
@@ -161,6 +162,9 @@ class ModelRunner:
 
     def _make_backend(self, backend: str, graph_segments: int = 0):
         """The attention backend; graph_segments > 0: one with fixed buffers for a graph of that many segments."""
+        if self.cache.quantized and backend not in FP8_KV_BACKENDS:
+            raise ValueError(f"model.kv_cache_dtype=fp8_e4m3 with attention.backend={backend}: only "
+                             f"{' and '.join(FP8_KV_BACKENDS)} read FP8 KV pages; use attention=triton or attention=sdpa")
         if backend == "sdpa":
             return SdpaAttention(self.cache)
         if backend == "flashinfer":

@@ -13,6 +13,10 @@ bidirectionally to every key of its pages: pages before its own hold final block
 current tokens (the block-causal rule). No key is split across programs, so a block's output does
 not depend on what else is in the batch. fp32 inputs use IEEE dot products (the CPU parity tests
 run the sdpa backend; this kernel matches it to fp32 rounding under the interpreter).
+
+FP8 pages (float8_e4m3fn, engine/layers/kv_fp8.py): the kernel loads e4m3 keys and values and
+dequantizes them in registers, (stored * scale) in fp32 rounded to q's dtype, as the sdpa path's
+`dequantize_kv` does before its gather, so a page costs half the bytes and the dots see the same numbers.
 """
 from __future__ import annotations
 
@@ -24,9 +28,9 @@ if HAVE_TRITON:
     @triton.jit
     def _block_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, used_ptr,
                                 stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh,
-                                stride_table, scale_log2, group,
+                                stride_table, scale_log2, group, k_scale, v_scale,
                                 BL: tl.constexpr, BM: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr,
-                                PAGES: tl.constexpr, IEEE: tl.constexpr):
+                                PAGES: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
         # One program: one query block and PACK query heads of one KV head, stacked as PACK * BM rows
         # (head-major), so each key page is loaded once for the heads that share it and the dots are
         # PACK times taller. Each step of the softmax takes PAGES pages' keys (PAGES * BM columns):
@@ -55,6 +59,8 @@ if HAVE_TRITON:
             page = tl.load(table_ptr + segment * stride_table + p, mask=page_ok, other=0).to(tl.int64)
             at = page[:, None] * stride_kp + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
             keys = tl.load(k_ptr + at, mask=key_ok[:, None], other=0.0)
+            if KV_FP8:
+                keys = (keys.to(tl.float32) * k_scale).to(q.dtype)
             if IEEE:
                 scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
             else:
@@ -65,6 +71,8 @@ if HAVE_TRITON:
             probs = tl.exp2(scores - new_max[:, None])
             run_sum = run_sum * alpha + tl.sum(probs, axis=1)
             values = tl.load(v_ptr + at, mask=key_ok[:, None], other=0.0)
+            if KV_FP8:
+                values = (values.to(tl.float32) * v_scale).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision="ieee")
             else:
@@ -89,12 +97,13 @@ PAGES_PER_STEP = 2
 
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     used_tokens: torch.Tensor, scale: float, pack: int | None = None,
-                    pages_per_step: int | None = None) -> torch.Tensor:
+                    pages_per_step: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """out [S * bl, Hq, D] for q [S * bl, Hq, D] (S query blocks of bl tokens), one layer's pages
     k_cache / v_cache [P, bl, Hkv, D], page_table [S, W] int32 (each block's request's pages) and
     used_tokens [S] int32 = (block + 1) * bl: the keys block s attends to are pages 0 .. block.
     pack: query heads per program (default `heads_per_program`; 1 is a program per head);
-    pages_per_step: key pages per softmax step, a power of two (default PAGES_PER_STEP)."""
+    pages_per_step: key pages per softmax step, a power of two (default PAGES_PER_STEP);
+    k_scale / v_scale: float8_e4m3fn pages hold values / scale (other pages are q's dtype, scale 1)."""
     num_pages, bl, num_kv_heads, head_dim = k_cache.shape
     tokens, num_heads, _ = q.shape
     segments = tokens // bl
@@ -102,6 +111,12 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"q {tuple(q.shape)} is not whole blocks of {bl} with a multiple of {num_kv_heads} heads")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim={head_dim}: the kernel needs a power of two >= 16")
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if v_cache.dtype != k_cache.dtype or not (kv_fp8 or k_cache.dtype == q.dtype):
+        raise ValueError(f"K/V pages of {k_cache.dtype} / {v_cache.dtype} for q of {q.dtype}: need q's dtype or "
+                         "float8_e4m3fn")
+    if not kv_fp8 and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(f"k_scale={k_scale}, v_scale={v_scale}: scales are for float8_e4m3fn pages only")
     q = q.contiguous()
     out = torch.empty_like(q)
     if segments == 0:
@@ -117,7 +132,7 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _block_attention_kernel[(segments, num_heads // pack)](
         q, k_cache, v_cache, out, page_table, used_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, group,
-        BL=bl, BM=block_m, PACK=pack, D=head_dim, PAGES=pages, IEEE=q.dtype == torch.float32, num_warps=4,
-        num_stages=2)
+        out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, group, k_scale, v_scale,
+        BL=bl, BM=block_m, PACK=pack, D=head_dim, PAGES=pages, IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8,
+        num_warps=4, num_stages=2)
     return out

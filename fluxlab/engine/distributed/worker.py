@@ -95,7 +95,8 @@ class WorkerEngine(MinPagesOverRanks, _ModelOnly):
         if cfg.engine.kv_cache_layout == "dense":  # whole slots, as the block manager keeps them
             num_pages -= num_pages % pages_per_seq
         self.runner = ModelRunner(self.model, num_pages, self.block_length, self.device, self.dtype,
-                                  cfg.attention.backend, pages_per_seq, cfg.scheduler.max_num_seqs, self.mask_id)
+                                  cfg.attention.backend, pages_per_seq, cfg.scheduler.max_num_seqs, self.mask_id,
+                                  kv_cache_dtype=cfg.model.kv_cache_dtype)
         segment_sizes = graph_segment_sizes(cfg)
         if segment_sizes:
             self.runner.capture_graphs(segment_sizes, cfg.attention.cuda_graph_decode_mode)

@@ -70,19 +70,31 @@ class AttentionBackend(Protocol):
 
 
 class KVCache:
-    """One K and one V pool per layer: [num_pages, block_length, num_kv_heads, head_dim]."""
+    """One K and one V pool per layer: [num_pages, block_length, num_kv_heads, head_dim], in the model
+    dtype. layers/kv_fp8.py's Fp8KVCache stores them as e4m3 instead; the backends read and write a
+    cache only through the methods below (and `k` / `v` with `scales`), so either kind serves them."""
 
     def __init__(self, num_layers: int, num_pages: int, block_length: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, storage_dtype: Optional[torch.dtype] = None):
         shape = (num_layers, num_pages, block_length, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=storage_dtype or dtype, device=device)
+        self.v = torch.zeros(shape, dtype=storage_dtype or dtype, device=device)
         self.block_length = block_length
+        self.dtype = dtype  # what writes take and reads give back
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.dtype != self.dtype
 
     @staticmethod
     def bytes_per_page(num_layers: int, block_length: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
+        """Bytes of one page over every layer, K and V, stored as `dtype` (the cache's storage dtype)."""
         return 2 * num_layers * block_length * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def scales(self, layer_idx: int) -> tuple[float, float]:
+        """(k_scale, v_scale): a stored value times its scale is the value written. 1 unquantized."""
+        return 1.0, 1.0
 
     def rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K and V pools as [num_pages * block_length, num_kv_heads, head_dim] slot rows."""
@@ -93,6 +105,19 @@ class KVCache:
         k_rows, v_rows = self.rows(layer_idx)
         k_rows[slot_mapping] = k
         v_rows[slot_mapping] = v
+
+    def gather(self, layer_idx: int, page_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the pages `page_indices` [...] as [..., block_length, num_kv_heads, head_dim] in `dtype`."""
+        return self.k[layer_idx][page_indices], self.v[layer_idx][page_indices]
+
+    def write_rows(self, layer_idx: int, slot_mapping: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K rows, V rows, slots) where a kernel that produces K/V itself puts token t's at rows[slots[t]]:
+        the pool's slot rows and slot_mapping here; `flush` before the layer's attention reads them."""
+        return (*self.rows(layer_idx), slot_mapping)
+
+    def flush(self, layer_idx: int, slot_mapping: torch.Tensor) -> None:
+        """Whatever `write_rows` handed out is in the pages after this (here it went there directly)."""
 
 
 class PagedBackend(ABC):
@@ -106,14 +131,20 @@ class PagedBackend(ABC):
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
-        return self.attend(layer_idx, q)
+        return self.attend_pages(layer_idx, q)
 
     def kv_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K slot rows, V slot rows, slot_mapping [T]): where `forward` would write token t's K/V."""
-        return (*self.cache.rows(layer_idx), self.meta.slot_mapping)
+        """(K rows, V rows, slots [T]): where the model's kernel puts token t's K/V (the cache's slot
+        rows; for an FP8 cache rows in the model dtype that `attend` quantizes into the pages)."""
+        return self.cache.write_rows(layer_idx, self.meta.slot_mapping)
+
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q after the model wrote this forward's K/V to `kv_rows`."""
+        self.cache.flush(layer_idx, self.meta.slot_mapping)
+        return self.attend_pages(layer_idx, q)
 
     @abstractmethod
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def attend_pages(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the pages, this forward's K/V already in their slots."""
 
 
@@ -127,12 +158,10 @@ class SdpaAttention(PagedBackend):
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def attend_pages(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        num_rows, max_pages = meta.page_indices.shape
         heads, dim = q.shape[1], q.shape[2]
-        keys = self.cache.k[layer_idx][meta.page_indices].flatten(1, 2)  # [R, P*bl, Hkv, D]
-        values = self.cache.v[layer_idx][meta.page_indices].flatten(1, 2)
+        keys, values = (t.flatten(1, 2) for t in self.cache.gather(layer_idx, meta.page_indices))  # [R, P*bl, Hkv, D]
         queries = q[meta.query_gather]  # [R, Q, Hq, D]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

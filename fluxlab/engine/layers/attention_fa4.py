@@ -24,7 +24,7 @@ class Fa4Attention(PageTableAttention):
         super().__init__(*args, **kwargs)
         self.kernel = flash_attn_varlen_func
 
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def attend_pages(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         bl = self.block_length
         segments = q.shape[0] // bl
         out = self.kernel(q.view(segments, bl, self.num_qo_heads, self.head_dim),

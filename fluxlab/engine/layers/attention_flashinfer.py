@@ -118,5 +118,5 @@ class FlashInferAttention(PagedBackend):
         self.meta = meta
         self.plan(meta.segments)
 
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def attend_pages(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         return self.wrapper.run(q.contiguous(), (self.cache.k[layer_idx], self.cache.v[layer_idx]))

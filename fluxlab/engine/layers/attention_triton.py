@@ -10,6 +10,7 @@ from fluxlab.kernels.block_attention import block_attention
 
 
 class TritonAttention(PageTableAttention):
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def attend_pages(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        k_scale, v_scale = self.cache.scales(layer_idx)  # FP8 pages are dequantized in the kernel
         return block_attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], self.page_table,
-                               self.seqused_k, self.head_dim ** -0.5)
+                               self.seqused_k, self.head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale)
