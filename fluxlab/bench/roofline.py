@@ -243,6 +243,8 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="also time the reference generate at batch 1")
     ap.add_argument("--moe-backend", default=None)
     ap.add_argument("--quantization", default="none", help="model.quantization (fp8: block-scaled FP8 weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="model.kv_cache_dtype (fp8_e4m3: e4m3 KV pages, read by "
+                                                              "the sdpa and triton variants only)")
     ap.add_argument("--decoding", default=None, help="a decoding group (joint_threshold, levenshtein_joint, ...)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of decode steps")
     ap.add_argument("--parallel", default=None, help="a parallel group (tp2_ep2, tp4_ep4): one engine per variant")
@@ -268,6 +270,8 @@ def main() -> None:
         overrides.append(f"engine.moe_backend={args.moe_backend}")
     if args.quantization != "none":
         overrides.append(f"model.quantization={args.quantization}")
+    if args.kv_cache_dtype != "auto":
+        overrides.append(f"model.kv_cache_dtype={args.kv_cache_dtype}")
     if args.parallel:
         overrides.append(f"parallel={args.parallel}")
     cfg = compose("generate", overrides)
@@ -308,7 +312,8 @@ def main() -> None:
 
     prompts = gsm8k_prompts(load_tokenizer(None), max(max_bs, args.concurrency))
     mean_prompt = statistics.mean(len(p) for p in prompts)
-    results = {"ceilings": ceilings, "preset": args.preset, "gpu": torch.cuda.get_device_name(),
+    results = {"ceilings": ceilings, "preset": args.preset, "kv_cache_dtype": args.kv_cache_dtype,
+               "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "rows": []}
     for variant in filter(None, args.variants.split(",")):
         run_engine = None
