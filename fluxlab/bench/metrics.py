@@ -10,6 +10,7 @@ Definitions (DESIGN §10), over the requests that completed:
   tokens_edited = committed tokens an editing decoder rewrote (token -> token), summed over requests;
     absent when no request reported it (the server's usage does not carry it yet)
   tokens_per_chunk = output tokens / chunks
+  correct, scored = scored requests answered right / scored requests; accuracy = correct / scored
   engine_steps, mean_step_ms = the engine's forwards during the timed run and their mean wall time
     (schedule + forward + decode), from the engine's counters (offline) or the server's /metrics
   graph_share = the share of those forwards that replayed a CUDA graph
@@ -50,6 +51,7 @@ class RequestRecord:
     tokens_edited: Optional[int] = None  # token -> token edits; null: not reported
     finish_reason: Optional[str] = None
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # output ids: the report's token agreement (bench/compare.py)
     answer: Optional[str] = None
     correct: Optional[bool] = None
 
@@ -110,6 +112,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     metrics["tokens_per_chunk"] = total_out / chunks if chunks else 0.0
     scored = [r.correct for r in done if r.correct is not None]
     if scored:
+        metrics["correct"], metrics["scored"] = sum(scored), len(scored)
         metrics["accuracy"] = sum(scored) / len(scored)
     if steps is not None and steps.forwards > 0:
         metrics["engine_steps"] = steps.forwards
@@ -122,11 +125,13 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
 
 
 def records_frame(records: Sequence[RequestRecord]) -> pd.DataFrame:
-    """One row per request, for the per-request CSV (ITLs as a space-separated list of seconds)."""
+    """One row per request, for the per-request CSV (ITLs as a space-separated list of seconds, output
+    token ids as a space-separated list)."""
     rows = []
     for r in records:
         row = asdict(r)
         row["tpot_s"] = r.tpot_s
         row["itl_s"] = " ".join(f"{gap:.6f}" for gap in r.itl_s)
+        row["token_ids"] = " ".join(map(str, r.token_ids))
         rows.append(row)
     return pd.DataFrame(rows)

@@ -114,6 +114,7 @@ def _finish(llm: Any, record: RequestRecord, out: Any, sent: float, chunk_times:
     record.error = "" if record.success else "aborted by the engine"
     record.finish_reason = out.finish_reason
     record.output_tokens = len(out.token_ids)
+    record.token_ids = list(out.token_ids)
     record.text = out.text if out.text is not None else llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     record.forwards = out.stats.forwards
     record.cached_tokens = out.stats.cached_tokens

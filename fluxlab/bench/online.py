@@ -106,6 +106,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, prompt: BenchPr
                     if text or choice.get("token_ids"):
                         chunk_times.append(time.perf_counter())
                         pieces.append(text)
+                        record.token_ids.extend(choice.get("token_ids") or [])
                     record.finish_reason = choice.get("finish_reason") or record.finish_reason
         end = time.perf_counter()
     except Exception as err:  # a failed request is counted, not fatal to the run

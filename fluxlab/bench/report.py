@@ -2,7 +2,9 @@
 
 The selection is a sweep's parent run (id or name: its children are reported), an experiment name
 (every job of it), or nothing (the newest sweep of tracking.experiment). The x axis is the swept
-key the parent recorded, else whichever param differs between the runs.
+key the parent recorded, else whichever param differs between the runs. A sweep's table also gives
+each job's right answers and its token agreement with a baseline job (`baseline`, default job 0;
+fluxlab/bench/compare.py), so variants of one model (bf16 / fp8 weights) read side by side.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Optional
 import pandas as pd
 from omegaconf import DictConfig
 
-from fluxlab.bench import tracking
+from fluxlab.bench import compare, tracking
 
 COLUMNS = ("output_throughput", "request_throughput", "tokens_per_forward", "forwards", "tokens_edited",
            "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2e_latency_ms", "completed", "failed", "accuracy")
@@ -140,6 +142,32 @@ def _plot(out_dir: Path, runs: pd.DataFrame, x: pd.Series) -> list[tuple[str, st
     return plots
 
 
+def results_table(cfg: DictConfig, runs: pd.DataFrame, parent: Optional[pd.Series], keys: list[str],
+                  x: pd.Series) -> tuple[pd.DataFrame, Optional[str]]:
+    """(one row per run: swept values, job, status, right answers, token agreement with the baseline
+    job, headline metrics; the baseline job's description, None when agreement is not shown)."""
+    table = pd.DataFrame({k: runs[f"params.{k}"] for k in keys})
+    if parent is not None and f"tags.{tracking.JOB_TAG}" in runs:
+        table["job"] = runs[f"tags.{tracking.JOB_TAG}"]
+    table["status"] = runs["status"]
+    if "metrics.scored" in runs:
+        right = runs["metrics.correct"].map("{:.0f}".format) + "/" + runs["metrics.scored"].map("{:.0f}".format)
+        table["right"] = right.where(runs["metrics.scored"].notna(), "")
+    base = compare.baseline_run(runs, cfg.baseline, is_sweep=parent is not None)
+    agreement = None if base is None else compare.agreement_column(cfg.tracking, runs, base, cfg.baseline is not None)
+    if agreement is not None:
+        table["token_agreement"] = agreement
+    for column in COLUMNS:
+        if f"metrics.{column}" in runs:
+            table[column] = runs[f"metrics.{column}"]
+    # Numbers in their order; named variants (none, fp8) in the sweep's order, when the jobs are numbered.
+    order = x if pd.api.types.is_numeric_dtype(x) or "job" not in table else pd.to_numeric(table["job"])
+    table = table.assign(_x=order).sort_values("_x").drop(columns="_x")
+    if agreement is None:
+        return table, None
+    return table, f"job {base[f'tags.{tracking.JOB_TAG}']} ({base.get('tags.mlflow.runName')})"
+
+
 def write_report(cfg: DictConfig) -> str:
     """Write reports/<name>/report.md and its plots for `cfg.selection`; returns the markdown's path."""
     name, runs, parent = select_runs(cfg)
@@ -149,21 +177,16 @@ def write_report(cfg: DictConfig) -> str:
     load = [k for k in keys if k in LOAD_KEYS]
     x_key = load[0] if load else (keys[0] if keys else None)
     x = _axis(runs, x_key)
+    table, baseline = results_table(cfg, runs, parent, keys, x)  # a baseline it refuses writes nothing
     out_dir = Path(cfg.out_dir) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", name).strip("_")
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = _plot(out_dir, runs, x)
-
-    table = pd.DataFrame({k: runs[f"params.{k}"] for k in keys})
-    table["status"] = runs["status"]
-    for column in COLUMNS:
-        if f"metrics.{column}" in runs:
-            table[column] = runs[f"metrics.{column}"]
-    table = table.assign(_x=x).sort_values("_x").drop(columns="_x")
     first = parent if parent is not None else runs.iloc[0]
     facts = {"store": tracking.store_uri(cfg.tracking), "parent run": None if parent is None else parent.run_id,
              "command": first.get("tags.command"), "git sha": first.get("tags.git.sha"),
              "device": first.get("tags.device"), "swept": ", ".join(keys) or "nothing",
-             "runs": f"{len(runs)} ({int((runs['status'] == 'FAILED').sum())} failed)"}
+             "runs": f"{len(runs)} ({int((runs['status'] == 'FAILED').sum())} failed)",
+             "token agreement with": baseline}
     lines = [f"# fluxlab report: {name}", ""]
     lines += [f"- **{k}**: `{v}`" for k, v in facts.items() if v is not None]
     lines += ["", "## Results", "", _markdown(table), ""]

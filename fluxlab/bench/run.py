@@ -36,6 +36,12 @@ class Job:
     overrides: list[str]
     multirun: bool
     sweep_dir: Optional[Path] = None
+    num: Optional[int] = None  # Hydra's job number in a sweep: 0 is its first point
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """What a sweep's child run records of its job (the report's default baseline is job 0)."""
+        return {tracking.JOB_TAG: str(self.num)} if self.multirun else {}
 
     @classmethod
     def current(cls) -> "Job":
@@ -49,7 +55,7 @@ class Job:
         overrides = list(hc.overrides.task)
         name = (job_label(overrides) if multirun else " ".join(overrides)) or "bench"
         return cls(out_dir=Path(hc.runtime.output_dir), name=name, overrides=overrides, multirun=multirun,
-                   sweep_dir=Path(hc.sweep.dir) if multirun else None)
+                   sweep_dir=Path(hc.sweep.dir) if multirun else None, num=int(hc.job.num) if multirun else None)
 
 
 @dataclass
@@ -189,7 +195,7 @@ def run_bench(cfg: DictConfig) -> dict:
     if cfg.tracking.backend == "mlflow":
         # In a sweep tracking.run_name names the parent; each child is named by its sweep point.
         name = job.name if job.multirun else (cfg.tracking.run_name or job.name)
-        run_id = tracking.start_run(cfg.tracking, name[:250], tracking.run_tags(cfg),
+        run_id = tracking.start_run(cfg.tracking, name[:250], {**tracking.run_tags(cfg), **job.tags},
                                     parent_run_id=parent_run_id() if job.multirun else None)
     elif cfg.tracking.backend != "none":
         raise ValueError(f"tracking.backend={cfg.tracking.backend!r}: use mlflow or none")
@@ -227,7 +233,8 @@ def record_refused_job(cfg: DictConfig, error: str) -> None:
     job = Job.current()
     run_id = None
     if cfg.tracking.backend == "mlflow" and not cfg.bench.dry_run:
-        run_id = tracking.start_run(cfg.tracking, job.name[:250], tracking.run_tags(cfg), parent_run_id())
+        run_id = tracking.start_run(cfg.tracking, job.name[:250], {**tracking.run_tags(cfg), **job.tags},
+                                    parent_run_id())
         tracking.log_run(cfg.tracking, run_id, params=tracking.flatten_params(cfg), tags={"error": error[:5000]})
         tracking.end_run(cfg.tracking, run_id, failed=True)
     line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "name": job.name, "status": "failed", "error": error,

@@ -20,6 +20,7 @@ from fluxlab.config import PROJECT_ROOT
 PARENT_TAG = "mlflow.parentRunId"
 SWEEP_TAG = "fluxlab.sweep"  # set on a sweep's parent run: the sweep's overrides
 SWEPT_KEYS_TAG = "fluxlab.swept_keys"
+JOB_TAG = "fluxlab.job"  # on a sweep's child run: its Hydra job number
 
 
 def store_uri(tracking: DictConfig) -> str:

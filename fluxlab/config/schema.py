@@ -211,6 +211,8 @@ class ReportConfig:
     selection: Optional[str] = key(None, "experiment name or parent run id; null -> newest parent run")
     tracking: TrackingConfig = key(TrackingConfig, "where the runs are read from")
     out_dir: str = key("reports", "reports/<name>/ goes under this folder")
+    baseline: Optional[int] = key(None, "the sweep job (its number, 0 = the first point) whose outputs every job's token "
+                                        "agreement is measured against; null -> job 0")
 
 
 @dataclass
