@@ -99,6 +99,8 @@ def test_offline_and_online_give_the_same_output_tokens(offline_sweep, online_sw
         assert list(a["output_tokens"]) == list(b["output_tokens"])
         assert list(a["prompt_tokens"]) == list(b["prompt_tokens"])
         assert list(a["text"]) == list(b["text"])
+        assert list(a["token_ids"]) == list(b["token_ids"])  # the engine's ids offline, the server's online
+        assert [len(ids.split()) for ids in a["token_ids"]] == list(a["output_tokens"])
         assert list(a["forwards"]) == list(b["forwards"])
 
 
@@ -143,3 +145,6 @@ def test_report_of_the_sweep(offline_sweep):
     text = path.read_text()
     assert "decoding.threshold" in text and "tokens_per_forward" in text
     assert list(path.parent.glob("*.png"))
+    table = pd.read_csv(path.parent / "runs.csv").set_index("job")  # job 0 (threshold 0.7) is the baseline
+    assert table.loc[0, "token_agreement"] == 1.0 and 0 < table.loc[1, "token_agreement"] <= 1.0
+    assert table.loc[0, "right"] == f"{round(table.loc[0, 'accuracy'] * 8)}/8"
