@@ -14,9 +14,15 @@ Stacked experts keep one scale grid per stacked piece: w_gate_up [E, 2I, H] has 
 whatever I is (the tiny models' I is below 128).
 
 The CPU path is `fp8_linear_reference` / `fp8_moe_reference`: the activations quantized and
-dequantized exactly as the GPU kernels quantize them, the weights dequantized, one fp32 matmul,
-rounded to the activation dtype where the kernels round. It gives the GPU kernels' numbers up to the
-order of the fp32 sums (tests/test_fp8_kernels.py checks the two under the Triton interpreter).
+dequantized exactly as the GPU kernels quantize them, the weights dequantized, one matmul, rounded to
+the activation dtype where the kernels round. It gives the GPU kernels' numbers up to the order of the
+sums (tests/test_fp8_kernels.py checks the two under the Triton interpreter). The matmul multiplies
+the fp32 operands in float64 (`dequantized_matmul`): their products are exact there and the sum's
+rounding sits ~2**-29 below fp32's, so the fp32 result does not depend on how the CPU blocks the
+product. An fp32 CPU GEMM does: one row alone takes a gemv whose sums round differently from the
+same row among others, and with FP8 that matters, since an ulp moved before the next quantization
+moves an e4m3 code in 1 of ~10**6 values, enough to change a sampled token. In float64 the CPU path
+is batch invariant, as the kernels are.
 """
 from __future__ import annotations
 
@@ -92,12 +98,19 @@ def dequantize_blocks_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale.repeat_interleave(BLOCK, dim=-1)[:, :q.shape[-1]]
 
 
+def dequantized_matmul(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xq [M, K] @ w [N, K].T of fp32 dequantized values, in float64, rounded once to fp32 (module doc:
+    a row's result does not depend on the other rows)."""
+    return (xq.double() @ w.double().t()).float()
+
+
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(weight [N, K]).T with x quantized per token group: fp32 math, the
-    result rounded once to out_dtype (default x.dtype), as the GPU kernel's epilogue rounds it."""
-    xq = fake_quantize_token_groups(x)
-    return (xq @ dequantize_blocks(weight, scale_inv).t()).to(out_dtype or x.dtype)
+    """x [..., K] @ dequant(weight [N, K]).T with x quantized per token group, the result rounded once
+    to out_dtype (default x.dtype), as the GPU kernel's epilogue rounds it."""
+    xq = fake_quantize_token_groups(x).reshape(-1, x.shape[-1])
+    y = dequantized_matmul(xq, dequantize_blocks(weight, scale_inv))
+    return y.to(out_dtype or x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def use_fp8_kernel(x: torch.Tensor) -> bool:
@@ -132,10 +145,13 @@ def fp8_linears(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]
 def fp8_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                       w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
                       adds: tuple = (), activation: str = "silu") -> torch.Tensor:
-    """The fused FP8 MoE's definition, expert by expert: x quantized per token group, gate and up in
+    """The fused FP8 MoE's definition, expert by expert: x quantized per token group, gate and up to
     fp32, act(gate) * up rounded to x.dtype (the kernel's intermediate), quantized per token group,
-    down in fp32 times the routing weight rounded to x.dtype (a slot), the K slots summed in fp32 and
-    rounded, then `adds` added in order as torch adds them. Ids outside [0, E) add nothing."""
+    down to fp32 times the routing weight rounded to x.dtype (a slot), the K slots summed in fp32 and
+    rounded, then `adds` added in order as torch adds them. Ids outside [0, E) add nothing. The
+    products are `dequantized_matmul`s: an expert's rows do not depend on which others it got."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"fp8_moe_reference: activation {activation!r}; one of gelu_tanh, silu")
     num_tokens, top_k = topk_idx.shape
     num_experts = w_gate_up.shape[0]
     dt = x.dtype
@@ -145,10 +161,10 @@ def fp8_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torc
         if not 0 <= e < num_experts:
             continue
         tok, slot = (topk_idx == e).nonzero(as_tuple=True)
-        gate, up = (xq[tok] @ dequantize_stacked(w_gate_up[e], s_gate_up[e], 2).t()).chunk(2, dim=-1)
+        gate, up = dequantized_matmul(xq[tok], dequantize_stacked(w_gate_up[e], s_gate_up[e], 2)).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
         inter = fake_quantize_token_groups((act * up).to(dt))
-        down = inter @ dequantize_blocks(w_down[e], s_down[e]).t()
+        down = dequantized_matmul(inter, dequantize_blocks(w_down[e], s_down[e]))
         slots[tok, slot] = (down * topk_weight[tok, slot].float()[:, None]).to(dt)
     y = slots.float().sum(dim=1).to(dt)
     for a in adds:

@@ -35,8 +35,9 @@ class GemmaRMSNorm(nn.Module):
 
 
 def project(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """x @ layer.weight.T: the batch-invariant matmul, or the FP8 GEMM of an `Fp8Linear` (model.quantization=fp8)."""
-    return layer(x) if isinstance(layer, Fp8Linear) else linear(x, layer.weight)
+    """A projection: nn.Linear's weight through the batch-invariant matmul; any other module (the
+    `Fp8Linear` of model.quantization=fp8) computes itself."""
+    return linear(x, layer.weight) if isinstance(layer, nn.Linear) else layer(x)
 
 
 def project_all(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
@@ -116,7 +117,11 @@ class GemmaRouter(nn.Module):
 
     def route(self, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) from the scaled, normed input (`forward`'s, or gemma_norm.attn_residual's)."""
-        scores = linear(scaled, self.proj.weight)
+        if scaled.is_cuda:
+            scores = linear(scaled, self.proj.weight)
+        else:  # float64 sums: a 1-token row alone takes torch's CPU gemv, which rounds otherwise than
+            # the same row in a batch; FP8 layers downstream would turn that ulp into a moved e4m3 code
+            scores = (scaled.double() @ self.proj.weight.double().t()).to(scaled.dtype)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
