@@ -133,6 +133,23 @@ def _interpreter_checks() -> None:
         a, b = torch.randn_like(x), torch.randn_like(x)
         torch.testing.assert_close(fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, config=cfg, adds=(a, b)),
                                    (got + a) + b, rtol=0, atol=0)
+    # gelu-tanh (Diffusion-Gemma's experts): I of one and a half groups, so the intermediate's last
+    # group is half masked and the up half's scales start one grid row in
+    for E, H, I, K, T in [(4, 200, 192, 2, 11), (8, 256, 72, 3, 6)]:
+        x, idx, wts, wgu, sgu, wd, sd = _moe_case(E, H, I, K, T, gen)
+        x = x * 4   # gelu's curved part (silu and gelu-tanh part there by ~10%)
+        got = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, config=small, activation="gelu_tanh")
+        want = fp8_moe_reference(x, idx, wts, wgu, sgu, wd, sd, activation="gelu_tanh")
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, (E, H, I, K, T)
+        silu = fp8_moe_reference(x, idx, wts, wgu, sgu, wd, sd)
+        assert ((silu - want).norm() / want.norm()).item() > 1e-2   # the check can tell the two apart
+    # several weights of one input (q/k/v): one shared activation quantization, separate calls' numbers
+    from fluxlab.engine.layers.fp8 import fp8_linears
+
+    x = torch.randn(6, 200, generator=gen)
+    weights = [quantize_blocks(torch.randn(n, 200, generator=gen) * 0.05) for n in (192, 64, 64)]
+    for got, (q, s) in zip(fp8_linears(x, weights), weights):
+        assert torch.equal(got, fp8_matmul(x, q, s))
     # expert parallel: ids == E are slots of another rank and add nothing
     x, idx, wts, wgu, sgu, wd, sd = _moe_case(8, 128, 128, 2, 7, gen)
     foreign = torch.where(idx < 4, idx, 4)
@@ -178,6 +195,33 @@ def test_fp8_matmul_on_gpu_matches_the_reference(m, n, k):
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     got16 = fp8_matmul(x.cuda(), q.cuda(), s.cuda()).cpu()
     assert got16.dtype == torch.bfloat16 and ((got16.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
+def test_fp8_gelu_moe_at_diffusion_gemma_shapes_matches_the_reference_whatever_the_batch():
+    """The 26B-A4B's experts (E=128, H=2816, I=704 = 5.5 groups, top-8), gelu-tanh, bf16: the CPU
+    reference of the same codes, bit-equal rows alone and in a batch, graph replay."""
+    from fluxlab.kernels.fp8_moe import fp8_fused_moe
+
+    gen = torch.Generator().manual_seed(6)
+    x, idx, wts, wgu, sgu, wd, sd = _moe_case(128, 2816, 704, 8, 512, gen, "cuda", torch.bfloat16)
+    x = x * 4
+    full = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, activation="gelu_tanh")
+    want = fp8_moe_reference(x[:32].cpu(), idx[:32].cpu(), wts[:32].cpu(), wgu.cpu(), sgu.cpu(), wd.cpu(), sd.cpu(),
+                             activation="gelu_tanh")
+    assert ((full[:32].cpu().float() - want.float()).norm() / want.float().norm()).item() < 2e-2   # bf16 slots
+    for rows in (1, 16, 256):
+        assert torch.equal(fp8_fused_moe(x[:rows], idx[:rows], wts[:rows], wgu, sgu, wd, sd, activation="gelu_tanh"),
+                           full[:rows])
+    xs, ids, ws = x[:16].clone(), idx[:16].clone(), wts[:16].clone()
+    fp8_fused_moe(xs, ids, ws, wgu, sgu, wd, sd, activation="gelu_tanh")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_fused_moe(xs, ids, ws, wgu, sgu, wd, sd, activation="gelu_tanh")
+    xs.copy_(x[16:32]), ids.copy_(idx[16:32]), ws.copy_(wts[16:32])
+    graph.replay()
+    assert torch.equal(out, full[16:32])
 
 
 @pytest.mark.gpu
