@@ -2,7 +2,7 @@
 
     python -m fluxlab.bench.canvas [--preset diffusion_gemma_26b_a4b] [--batch-sizes 1,16,64]
         [--concurrency 1,16] [--steps 16] [--prompt-tokens 256] [--max-new-tokens 1024]
-        [--graphs off|on|both] [--out FILE]
+        [--graphs off|on|both] [--quantization none|fp8] [--out FILE]
 
 Random bf16 weights of the preset on the GPU (model.load_format=random). Part 1, per batch size B:
 B requests whose prompt K/V is in the cache; "denoise" = one forward over B canvases + the canvas
@@ -31,7 +31,8 @@ import torch
 from fluxlab.engine.request import SamplingParams
 
 
-def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, graph_rows: list[int]):
+def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, graph_rows: list[int],
+            quantization: str = "none"):
     from fluxlab.config.compose import compose
     from fluxlab.config.validate import validate_config
     from fluxlab.models.diffusion_gemma.engine import CanvasEngine
@@ -41,6 +42,7 @@ def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, gra
     else:
         model = ["model=diffusion_gemma", f"model.preset={preset}", "model.load_format=random", "engine.dtype=bfloat16",
                  "engine.device=cuda"]
+    model.append(f"model.quantization={quantization}")  # fp8: the preset's random weights quantized at load
     cfg = compose("bench", model + ["tracking=none"])
     canvas = cfg.decoding.canvas_length
     graphs = ["attention.use_decode_cuda_graph=true",
@@ -220,6 +222,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--graphs", choices=("off", "on", "both"), default="off",
                         help="denoiser CUDA graphs (attention.use_decode_cuda_graph) off, on, or off then on")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                        help="model.quantization (fp8: e4m3 projections and experts, quantized at load)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on CPU (checks the script)")
     args = parser.parse_args(argv)
@@ -229,7 +233,7 @@ def main(argv=None) -> None:
     canvas = 8 if args.smoke else 256
     pages_per_seq = -(-(args.prompt_tokens + args.max_new_tokens) // canvas) + 2
     graph_rows = sorted(set(batches + concurrency)) if args.graphs != "off" else []
-    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke, graph_rows)
+    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke, graph_rows, args.quantization)
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "canvas_bench.json")
     results = {}
     graphs = engine.runner.graphs
