@@ -118,14 +118,17 @@ def _check_ceilings(dec: DictConfig, canvas: bool, name: str) -> None:
 
 
 def _check_canvas_engine(cfg: DictConfig) -> None:
-    """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged sdpa attention, CUDA
-    graphs of its canvas step only (canvas_graphs.py), its experts' own kernels, one device."""
+    """What the Diffusion-Gemma engine (canvas_engine.py) runs: its own paged canvas attention (sdpa, or
+    the triton kernel on CUDA), CUDA graphs of its canvas step only (canvas_graphs.py), its experts' own
+    kernels, one device."""
     attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
     name = describe(cfg.model)
     if attn.backend == "auto":
-        attn.backend = "sdpa"
-    _check(attn.backend == "sdpa", f"attention.backend={attn.backend}: {name} (Diffusion-Gemma) runs its "
-                                   "own paged sdpa attention in this build; use attention=sdpa")
+        attn.backend = "sdpa"  # attention=triton (kernels/canvas_attention.py) is opt-in until a GPU measures it
+    _check(attn.backend in ("sdpa", "triton"),
+           f"attention.backend={attn.backend}: {name} (Diffusion-Gemma) runs its own canvas attention over its two "
+           "page pools: sdpa (gathered keys, any device) or triton (fluxlab/kernels/canvas_attention.py, CUDA); "
+           "use attention=sdpa or attention=triton")
     _check(not attn.use_prefill_cuda_graph,
            f"attention.use_prefill_cuda_graph=true: {name} (Diffusion-Gemma) graphs only its canvas step "
            "(attention.use_decode_cuda_graph=true: denoising, with or without committing one block); prompt "

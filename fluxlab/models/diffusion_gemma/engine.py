@@ -117,7 +117,8 @@ class CanvasEngine(LLMEngine):
                                    StopStrings(self.tokenizer), decode_writes_kv=False,
                                    request_timeout_s=cfg.server.request_timeout_s)
         self.runner = CanvasRunner(self.model, self.block_manager.num_pages, self.block_manager.num_sliding_pages,
-                                   self.ring_size, self.block_length, self.device, self.dtype, pages_per_seq)
+                                   self.ring_size, self.block_length, self.device, self.dtype, pages_per_seq,
+                                   cfg.attention.backend)
         if cfg.attention.use_decode_cuda_graph:  # validation: on CUDA, capture sizes resolved
             self.runner.enable_denoise_graphs(denoise_row_sizes(list(cfg.attention.cuda_graph_capture_bs)),
                                               capture=True)
@@ -139,7 +140,8 @@ class CanvasEngine(LLMEngine):
 
         eng, L = self.cfg.engine, self.block_length
         rows = self.cfg.scheduler.max_num_seqs
-        probe = CanvasRunner(self.model, 2 * rows, 2 * rows, self.ring_size, L, self.device, self.dtype, 2)
+        probe = CanvasRunner(self.model, 2 * rows, 2 * rows, self.ring_size, L, self.device, self.dtype, 2,
+                             self.cfg.attention.backend)
         knobs = CanvasKnobs(**self.generation_defaults)
         fake = []
         for r in range(rows):

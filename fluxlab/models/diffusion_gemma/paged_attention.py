@@ -78,12 +78,17 @@ class CanvasAttentionMetadata:
     # type's pool) and the mask [R, 1, Q, L + K_t] (True = may attend; canvas keys first). Sliding layers gather only
     # the keys some query of the row can see.
     key_slots: dict[bool, torch.Tensor]
-    masks: dict[bool, torch.Tensor]
+    masks: dict[bool, torch.Tensor]  # empty when the Triton kernel runs (it masks from `geometry`)
+    # per layer type: [4, R] (prefix keys K, encoder queries, queries, position of prefix key 0): what
+    # kernels/canvas_attention.py computes the same masks from
+    geometry: dict[bool, torch.Tensor]
+    window: int
 
 
-def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int,
-                          device: torch.device) -> CanvasAttentionMetadata:
-    """Host arrays are O(keys) (slots, per-row counts); the [R, Q, K] masks are built on the device."""
+def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int, device: torch.device,
+                          masks: bool = True) -> CanvasAttentionMetadata:
+    """Host arrays are O(keys) (slots, per-row counts); the [R, Q, K] masks are built on the device
+    (masks=False: not at all, for the Triton kernel, which derives them from `geometry`)."""
     num_rows = len(rows)
     L = canvas_length
     num_keys = np.array([len(r.key_slots) for r in rows], dtype=np.int64)  # K: prefix keys after the writes
@@ -126,12 +131,13 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
     def dev(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
-    per_row = dev(np.stack([num_keys, num_encoder, num_queries, first[True]]))
-    masks = {sliding: _masks(per_row, key_slots[sliding].shape[1], max_q, L, window, sliding)
-             for sliding in (False, True)}
+    per_row = dev(np.stack([num_keys, num_encoder, num_queries, first[True], first[False]]))
+    geometry = {True: per_row[:4], False: per_row[[0, 1, 2, 4]]}
+    mask = {sliding: _masks(per_row[:4], key_slots[sliding].shape[1], max_q, L, window, sliding)
+            for sliding in (False, True)} if masks else {}
     return CanvasAttentionMetadata(dev(full_write_slots), dev(full_write_tokens), dev(write_slots), dev(write_tokens),
                                    dev(fresh), dev(canvas_gather), dev(query_gather), dev(np.concatenate(scatter)),
-                                   {s: dev(a) for s, a in key_slots.items()}, masks)
+                                   {s: dev(a) for s, a in key_slots.items()}, mask, geometry, window)
 
 
 def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
@@ -160,11 +166,14 @@ def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, wi
 
 
 class PagedCanvasAttention:
-    """The model's `attn.forward(layer_idx, q, k, v)` over a CanvasKVCache (torch sdpa)."""
+    """The model's `attn.forward(layer_idx, q, k, v)` over a CanvasKVCache: torch sdpa over gathered
+    keys, or (kernel=True, attention=triton on CUDA) kernels/canvas_attention.py reading the pools and
+    the forward's keys in place, with the same masks."""
 
-    def __init__(self, cache: CanvasKVCache, layer_is_sliding: list[bool]):
+    def __init__(self, cache: CanvasKVCache, layer_is_sliding: list[bool], kernel: bool = False):
         self.cache = cache
         self.layer_is_sliding = layer_is_sliding
+        self.kernel = kernel
         self.meta: CanvasAttentionMetadata | None = None
 
     def begin(self, meta: CanvasAttentionMetadata) -> None:
@@ -175,6 +184,8 @@ class PagedCanvasAttention:
         cache_k, cache_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
         sliding = self.layer_is_sliding[layer_idx]
         slots = meta.key_slots[sliding]
+        if self.kernel:
+            return self._kernel_forward(meta, sliding, q, k, v, cache_k, cache_v)
         if sliding:  # read first: this forward's writes may reuse a ring slot it reads
             fresh = (meta.fresh_keys >= 0)[..., None, None]
             index = meta.fresh_keys.clamp(min=0)
@@ -199,3 +210,20 @@ class PagedCanvasAttention:
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=meta.masks[sliding], scale=1.0, enable_gqa=True)
         return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.query_scatter]
+
+    def _kernel_forward(self, meta: CanvasAttentionMetadata, sliding: bool, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """The same reads and writes in the same order as `forward`: sliding layers read (this forward's
+        own keys straight from k / v) before they write, full layers write first."""
+        from fluxlab.kernels.canvas_attention import canvas_attention
+
+        if not sliding and meta.full_write_slots.numel():
+            cache_k[meta.full_write_slots] = k[meta.full_write_tokens]
+            cache_v[meta.full_write_slots] = v[meta.full_write_tokens]
+        out = canvas_attention(q, k, v, cache_k, cache_v, meta.query_gather, meta.canvas_gather,
+                               meta.key_slots[sliding], meta.geometry[sliding], meta.window if sliding else 0,
+                               fresh=meta.fresh_keys if sliding else None)
+        if sliding and meta.write_slots.numel():
+            cache_k[meta.write_slots] = k[meta.write_tokens]
+            cache_v[meta.write_slots] = v[meta.write_tokens]
+        return out

@@ -43,7 +43,7 @@ def kv_shapes(text_config) -> list[tuple[int, int]]:
 
 class CanvasRunner:
     def __init__(self, model, num_pages: int, num_sliding_pages: int, ring_size: int, canvas_length: int,
-                 device: torch.device, dtype: torch.dtype, pages_per_seq: int):
+                 device: torch.device, dtype: torch.dtype, pages_per_seq: int, attention: str = "sdpa"):
         self.model = model
         self.pages_per_seq = pages_per_seq  # page-table capacity of a request (static buffers)
         self.block_length = canvas_length
@@ -58,7 +58,11 @@ class CanvasRunner:
                                    num_sliding_pages + 1, canvas_length, dtype, device)
         self.scratch_pages = {False: num_pages, True: num_sliding_pages}
         self._sliding_backup = None  # (slots, copies) a failed step puts back
-        self.attention = PagedCanvasAttention(self.cache, model.layer_is_sliding)
+        # attention=sdpa: gathered keys + masks + torch sdpa (CPU, the default); triton: the batch-invariant
+        # kernel (kernels/canvas_attention.py) reads the pools in place, same masks (CUDA; validation says so)
+        if attention not in ("sdpa", "triton"):
+            raise ValueError(f"attention={attention!r}: Diffusion-Gemma runs sdpa or triton")
+        self.attention = PagedCanvasAttention(self.cache, model.layer_is_sliding, kernel=attention == "triton")
         self.num_graph_forwards = 0
         self.num_eager_forwards = 0
         self.launched_at = self.results_at = 0.0
@@ -166,7 +170,8 @@ class CanvasRunner:
                 hidden_size = self.model.embed_tokens.embedding_dim
                 zeros = torch.zeros(L, hidden_size, dtype=self.dtype, device=self.device)
                 soft = torch.cat([s.soft_embeds if s.soft_embeds is not None else zeros for s in states])
-        self.attention.begin(build_canvas_metadata(rows, L, self.model.sliding_window, self.device))
+        self.attention.begin(build_canvas_metadata(rows, L, self.model.sliding_window, self.device,
+                                                   masks=not self.attention.kernel))
         self.launched_at = time.perf_counter()
         self.num_eager_forwards += 1
         hidden = self.model(ids, pos, self.attention, is_canvas, soft)

@@ -47,8 +47,9 @@ class StaticCanvasAttention:
 
     def __init__(self, cache: CanvasKVCache, layer_is_sliding: list[bool], rows: int, canvas_length: int,
                  window: int, encoder_tokens: int, full_keys: int, sliding_keys: int, ring_size: int,
-                 scratch_pages: dict[bool, int]):
+                 scratch_pages: dict[bool, int], kernel: bool = False):
         self.cache = cache
+        self.kernel = kernel  # kernels/canvas_attention.py instead of cat + sdpa (attention=triton)
         self.layer_is_sliding = layer_is_sliding
         self.rows, self.L, self.window, self.ring_size = rows, canvas_length, window, ring_size
         self.E = encoder_tokens
@@ -57,6 +58,12 @@ class StaticCanvasAttention:
         self.slots: dict[bool, torch.Tensor] = {}
         self.write_slots: dict[bool, torch.Tensor] = {}
         self.masks: dict[bool, torch.Tensor] = {}
+        self.geometry: dict[bool, torch.Tensor] = {}  # the kernel's [4, R]: K, E, E + L, first prefix position
+        if kernel:  # row r's tokens sit at r * (E + L) .. : its queries, then its canvas keys after E
+            device = cache.k[0].device
+            Q = encoder_tokens + canvas_length
+            self.query_index = torch.arange(rows * Q, device=device).view(rows, Q)
+            self.canvas_index = self.query_index[:, encoder_tokens:].contiguous()
 
     def plan(self, prefix: torch.Tensor, encoder: torch.Tensor, num_pad: torch.Tensor, page_table: torch.Tensor,
              ring: torch.Tensor) -> None:
@@ -80,6 +87,10 @@ class StaticCanvasAttention:
             pos = first + torch.arange(self.num_keys[sliding], device=device)[None, :]
             index = pos + pad  # into the request's (left-padded) token array
             self.slots[sliding] = pages_of(index) * L + index % L
+            if self.kernel:  # the same masks, from four numbers a row (a dummy encoder query may see nothing: zeros)
+                self.geometry[sliding] = torch.stack([prefix, torch.full_like(prefix, E),
+                                                      torch.full_like(prefix, E + L), first[:, 0]])
+                continue
             key_pos = pos[:, None, :]  # [R, 1, K_t]
             valid = key_pos < K[:, :, None]
             canvas = valid & (key_pos >= K[:, :, None] - (self.window - 1)) if sliding else valid
@@ -104,6 +115,11 @@ class StaticCanvasAttention:
             cache_k[self.write_slots[sliding]] = k[:, :E].flatten(0, 1)
             cache_v[self.write_slots[sliding]] = v[:, :E].flatten(0, 1)
         slots = self.slots[sliding]
+        if self.kernel:
+            from fluxlab.kernels.canvas_attention import canvas_attention
+
+            return canvas_attention(q, k.flatten(0, 1), v.flatten(0, 1), cache_k, cache_v, self.query_index,
+                                    self.canvas_index, slots, self.geometry[sliding], self.window if sliding else 0)
         keys = torch.cat([k[:, E:], cache_k[slots]], dim=1)  # canvas first: PagedCanvasAttention.forward says why
         values = torch.cat([v[:, E:], cache_v[slots]], dim=1)
         queries = q.view(rows, E + L, *q.shape[1:])
@@ -137,7 +153,7 @@ class StaticDenoiser:
         sliding_keys = max(1, min(model.sliding_window - 1 + encoder_tokens, (runner.pages_per_seq - 1) * L))
         self.attention = StaticCanvasAttention(runner.cache, model.layer_is_sliding, rows, L, model.sliding_window,
                                                encoder_tokens, key_pages * L, sliding_keys, runner.ring_size,
-                                               runner.scratch_pages)
+                                               runner.scratch_pages, kernel=runner.attention.kernel)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]  # the graph's draw slots
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         if capture:

@@ -1,0 +1,209 @@
+"""Diffusion-Gemma's canvas attention in one batch-invariant Triton kernel (replaces gather + cat + sdpa).
+
+A row of a canvas forward is one request: E encoder queries (a prompt chunk or the canvas it commits,
+causal, at positions K - E .. K - 1) then maybe its canvas (L queries, bidirectional over its prefix
+and the whole canvas). Its keys, in this order: the L canvas keys (flat token indices, `canvas_index`)
+then its prefix keys, key p at position `first + p` (cache slots `prefix_slots`; a sliding layer's
+keys written by this very forward come from the forward, `fresh`). The masks are the torch path's
+(diffusion_gemma/paged_attention.py `_masks`, static.py `plan`), computed here from four numbers a row
+(`geometry`): K (prefix keys, positions 0..K-1), E, queries, first:
+- encoder query at q = K - E + i: prefix keys at p <= q; sliding layers only p > q - window;
+- canvas query: the whole canvas and every prefix key; sliding layers only p >= K - (window - 1).
+Softmax scale as given (Diffusion-Gemma: 1; no attention soft-cap).
+
+One program per (query tile of BLOCK_M queries, query head, row); it reads its KV head (GQA) and walks
+the canvas keys, then the prefix keys, in blocks of BLOCK_N at fixed offsets from the row's first key,
+with an online softmax. Nothing a program computes depends on another row, on the batch's padding
+(`prefix_slots` wider than this row's keys) or on where the row's tokens sit in the flat batch; a block
+that a tile skips (past its last causal key, before the window) would only have added exact zeros
+(alpha = 1, p = 0), so which blocks a tile walks changes no bit of a row. Tile sizes come from the head
+dim alone (`CONFIGS`), never from the batch. fp32 inputs use IEEE dots (the interpreter tests compare
+with torch's sdpa to fp32 rounding); bf16 dots accumulate in fp32 with P rounded to bf16 (flash
+attention's numerics). A query that sees no key (a graph's dummy rows only) gets zeros.
+CUDA (or TRITON_INTERPRET=1, the tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from fluxlab.kernels.fused_norm import HAVE_TRITON, _next_pow2, tl, triton
+
+# (BLOCK_M, BLOCK_N, warps, stages) by padded head dim, never by rows. 26B-A4B: sliding layers 256,
+# full layers 512 (acc [64, 512] fp32 = 128 registers a thread at 8 warps; K and V blocks [32, 512]
+# bf16 = 64 KiB a stage). Not tuned on a GPU yet: FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}'
+# overrides entries for a sweep. A config changes the summation order: pick one, never per batch.
+CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2),
+                                                 128: (64, 64, 4, 2), 256: (64, 64, 8, 2), 512: (64, 32, 8, 2)}
+
+
+def config_for(head_dim: int) -> tuple[int, int, int, int]:
+    padded = max(16, _next_pow2(head_dim))
+    table = dict(CONFIGS)
+    env = os.environ.get("FLUXLAB_CANVAS_ATTENTION_CONFIG")
+    if env:
+        table.update({int(k): tuple(v) for k, v in json.loads(env).items()})
+    if padded not in table:
+        raise ValueError(f"head_dim={head_dim}: no canvas attention tile config for {padded}")
+    return table[padded]
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _attend(q, keys, values, visible, run_max, run_sum, acc, scale_log2, IEEE: tl.constexpr):
+        """One block of the online softmax. Invisible scores are -inf; a row that has seen no key yet
+        keeps max -inf and subtracts 0 instead (no inf - inf), so its alpha and p are exact zeros."""
+        if IEEE:
+            scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(keys))
+        scores = tl.where(visible, scores * scale_log2, -float("inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
+        alpha = tl.exp2(run_max - safe_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        run_sum = run_sum * alpha + tl.sum(probs, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(probs, values, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values)
+        return new_max, run_sum, acc
+
+    @triton.jit(do_not_specialize=["num_slots", "stride_query", "stride_slots", "stride_fresh", "stride_geom"])
+    def _canvas_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, out_ptr, query_ptr, canvas_ptr, slots_ptr,
+                                 fresh_ptr, geom_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                                 stride_vh, stride_ct, stride_ch, stride_cvt, stride_cvh, stride_ot, stride_oh,
+                                 stride_query, stride_canvas, stride_slots, stride_fresh, stride_geom, num_slots,
+                                 canvas_length, head_dim, group, window, scale_log2,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
+                                 SLIDING: tl.constexpr, HAS_FRESH: tl.constexpr, IEEE: tl.constexpr):
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+        row = tl.program_id(2).to(tl.int64)
+        kv_head = head // group
+        num_keys = tl.load(geom_ptr + row)  # K: the row's prefix keys are positions 0 .. K-1
+        num_encoder = tl.load(geom_ptr + stride_geom + row)
+        num_queries = tl.load(geom_ptr + 2 * stride_geom + row)
+        first = tl.load(geom_ptr + 3 * stride_geom + row)  # position of prefix key 0
+        lo_q = tile * BLOCK_M
+        i = lo_q + tl.arange(0, BLOCK_M)
+        q_ok = i < num_queries
+        dims = tl.arange(0, DP)
+        d_ok = dims < head_dim
+        token = tl.load(query_ptr + row * stride_query + i, mask=q_ok, other=0).to(tl.int64)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+        is_encoder = i < num_encoder
+        is_canvas = q_ok & (i >= num_encoder)
+        q_pos = num_keys - num_encoder + i  # an encoder query's position
+        run_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
+        hi_q = tl.minimum(lo_q + BLOCK_M, num_queries)  # queries lo_q .. hi_q - 1 are real
+        has_canvas = (hi_q > num_encoder) & (lo_q < hi_q)
+        has_encoder = lo_q < tl.minimum(num_encoder, hi_q)
+
+        # the canvas keys (only canvas queries see them)
+        canvas_end = tl.where(has_canvas, canvas_length, 0)
+        for start in range(0, canvas_end, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            k_ok = j < canvas_length
+            src = tl.load(canvas_ptr + row * stride_canvas + j, mask=k_ok, other=0).to(tl.int64)
+            at_ok = k_ok[:, None] & d_ok[None, :]
+            keys = tl.load(k_ptr + src[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=at_ok,
+                           other=0.0)
+            values = tl.load(v_ptr + src[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=at_ok,
+                             other=0.0)
+            visible = is_canvas[:, None] & k_ok[None, :]
+            run_max, run_sum, acc = _attend(q, keys, values, visible, run_max, run_sum, acc, scale_log2, IEEE)
+
+        # the prefix keys: p = 0 .. min(K - first, num_slots) - 1, at position first + p
+        num_prefix = tl.minimum(num_keys - first, num_slots)
+        last_encoder = num_keys - num_encoder + tl.minimum(num_encoder, hi_q) - 1  # the tile's last encoder position
+        prefix_end = tl.where(has_canvas, num_prefix,
+                              tl.where(has_encoder, tl.minimum(num_prefix, last_encoder - first + 1), 0))
+        prefix_start = 0
+        if SLIDING:  # the oldest key a query of the tile sees, rounded down to a block of the row's fixed grid
+            oldest = tl.where(has_canvas, num_keys - (window - 1), num_keys)
+            oldest = tl.where(has_encoder, tl.minimum(oldest, num_keys - num_encoder + lo_q - window + 1), oldest)
+            prefix_start = (tl.maximum(oldest - first, 0) // BLOCK_N) * BLOCK_N
+        for start in range(prefix_start, prefix_end, BLOCK_N):
+            p = start + tl.arange(0, BLOCK_N)
+            p_ok = p < num_prefix
+            slot = tl.load(slots_ptr + row * stride_slots + p, mask=p_ok, other=0).to(tl.int64)
+            from_cache = p_ok
+            if HAS_FRESH:  # keys this forward writes: from the forward (the ring slot may hold an older block)
+                fresh = tl.load(fresh_ptr + row * stride_fresh + p, mask=p_ok, other=-1).to(tl.int64)
+                from_cache = p_ok & (fresh < 0)
+            cache_ok = from_cache[:, None] & d_ok[None, :]
+            keys = tl.load(ck_ptr + slot[:, None] * stride_ct + kv_head * stride_ch + dims[None, :], mask=cache_ok,
+                           other=0.0)
+            values = tl.load(cv_ptr + slot[:, None] * stride_cvt + kv_head * stride_cvh + dims[None, :],
+                             mask=cache_ok, other=0.0)
+            if HAS_FRESH:
+                fresh_ok = (p_ok & (fresh >= 0))[:, None] & d_ok[None, :]
+                at = tl.maximum(fresh, 0)
+                fresh_keys = tl.load(k_ptr + at[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                                     mask=fresh_ok, other=0.0)
+                fresh_values = tl.load(v_ptr + at[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                                       mask=fresh_ok, other=0.0)
+                keys = tl.where(fresh_ok, fresh_keys, keys)
+                values = tl.where(fresh_ok, fresh_values, values)
+            key_pos = (first + p)[None, :]
+            encoder_sees = key_pos <= q_pos[:, None]
+            canvas_sees = p_ok[None, :]
+            if SLIDING:
+                encoder_sees = encoder_sees & (key_pos > q_pos[:, None] - window)
+                canvas_sees = canvas_sees & (key_pos >= num_keys - (window - 1))
+            visible = p_ok[None, :] & tl.where(is_encoder[:, None], encoder_sees, is_canvas[:, None] & canvas_sees)
+            run_max, run_sum, acc = _attend(q, keys, values, visible, run_max, run_sum, acc, scale_log2, IEEE)
+
+        out = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None] & d_ok[None, :])
+
+
+def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, query_index: torch.Tensor, canvas_index: torch.Tensor,
+                     prefix_slots: torch.Tensor, geometry: torch.Tensor, window: int = 0,
+                     fresh: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """out [T, H, D] for the forward's flat q [T, H, D] and k / v [T, Hkv, D], one layer's pools
+    cache_k / cache_v [slots, Hkv, D], per row r of R:
+    query_index [R, Q]: flat token of its i-th query (encoder queries first; past its count: anything);
+    canvas_index [R, L]: flat token of its canvas keys (read only by rows with canvas queries);
+    prefix_slots [R, Kt]: pool slot of its prefix key p (position first + p; past its keys: anything);
+    geometry [4, R] int64: K (prefix keys), E (encoder queries), queries, first (0 for full layers);
+    window: the sliding window (0: a full-attention layer);
+    fresh [R, Kt] or None: flat token of a prefix key this forward computed (read from k / v), -1: the pool's.
+    Every flat token must be some row's query (out is not cleared)."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    for name, t in (("k", k), ("v", v), ("cache_k", cache_k), ("cache_v", cache_v)):
+        if t.shape[1:] != (num_kv_heads, head_dim) or t.stride(2) != 1:
+            raise ValueError(f"{name} {tuple(t.shape)}: want [*, {num_kv_heads}, {head_dim}], last dim contiguous")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    rows, max_queries = query_index.shape
+    if rows == 0 or tokens == 0:
+        return out
+    block_m, block_n, warps, stages = config_for(head_dim)
+    padded = max(16, _next_pow2(head_dim))
+    canvas_length = canvas_index.shape[1]
+    slots = prefix_slots if prefix_slots.shape[1] else torch.zeros(rows, 1, dtype=torch.long, device=q.device)
+    num_slots = prefix_slots.shape[1]
+    fresh_t = fresh if fresh is not None else slots
+    grid = (triton.cdiv(max_queries, block_m), num_heads, rows)
+    _canvas_attention_kernel[grid](
+        q, k, v, cache_k, cache_v, out, query_index, canvas_index, slots, fresh_t, geometry,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0),
+        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(0), out.stride(1),
+        query_index.stride(0), canvas_index.stride(0), slots.stride(0), fresh_t.stride(0), geometry.stride(0),
+        num_slots, canvas_length, head_dim, num_heads // num_kv_heads, window, scale * 1.4426950408889634,
+        BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=window > 0, HAS_FRESH=fresh is not None,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,390 @@
+"""Diffusion-Gemma's canvas attention kernel (fluxlab/kernels/canvas_attention.py) against the torch path it
+replaces (paged_attention.py / static.py: gathered keys, cat, masks, sdpa), and a row's bits alone vs in
+other batches (batch invariance).
+
+CPU: under the Triton interpreter (TRITON_INTERPRET=1) in a subprocess (tests/triton_helpers.py), fp32
+with IEEE dots: mixed batches of encoder chunks, commits and canvases over sliding (window smaller than,
+larger than and not a multiple of the canvas) and full layers, head_dim 64 and 512, GQA and one KV head,
+within fp32 rounding of sdpa; a row's output bit for bit the same alone, first or last in a batch,
+beside longer prefixes; the engine with the kernel gives transformers' tokens (eager and static paths).
+GPU (`-m gpu`): the same at 26B-A4B head shapes in bf16, the engine's tokens at fp32 equal sdpa's
+(and so transformers'), bf16 argmax of one forward vs sdpa, and batch invariance at 1 and 8 rows.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from triton_helpers import run_interpreter_checks
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def random_rows(specs, L: int, window: int, pool: int, gen: torch.Generator):
+    """CanvasRows from (cached prefix tokens, encoder tokens, has canvas) per row; distinct slots per row
+    in both pools, the sliding ring keeping the blocks a later query sees (here: every encoder key)."""
+    from fluxlab.models.diffusion_gemma.paged_attention import CanvasRow
+
+    rows, offset = [], 0
+    full_free = torch.randperm(pool, generator=gen).numpy()
+    sliding_free = torch.randperm(pool, generator=gen).numpy()
+    used = 0
+    for cached, encoder, canvas in specs:
+        K = cached + encoder
+        key_slots, sliding_slots = full_free[used:used + K], sliding_free[used:used + K]
+        used += K
+        encoder_tokens = offset + np.arange(encoder)
+        offset += encoder
+        canvas_tokens = offset + np.arange(L) if canvas else np.zeros(0, dtype=np.int64)
+        offset += L if canvas else 0
+        writes = np.arange(encoder)
+        rows.append(CanvasRow(key_slots.astype(np.int64), encoder_tokens, canvas_tokens.astype(np.int64),
+                              sliding_slots.astype(np.int64), writes))
+    return rows, offset
+
+
+def run_layer(specs, L, window, heads, kv_heads, head_dim, sliding, kernel, gen_seed=0, dtype=torch.float32,
+              device="cpu", data=None, pool=None):
+    """The eager path's attention of one layer over a random cache: (out [T, H, D], cache K after, inputs).
+    The same seed and pool give the first rows the same slots whatever rows follow."""
+    from fluxlab.models.diffusion_gemma.paged_attention import (CanvasKVCache, PagedCanvasAttention,
+                                                                build_canvas_metadata)
+
+    gen = torch.Generator().manual_seed(gen_seed)
+    pool = pool or sum(c + e for c, e, _ in specs) + 8
+    rows, tokens = random_rows(specs, L, window, pool, gen)
+    cache = CanvasKVCache([(kv_heads, head_dim)], [sliding], pool // L + 1, pool // L + 1, L, dtype, device)
+    if data is None:
+        data = dict(ck=torch.randn(cache.k[0].shape, generator=gen), cv=torch.randn(cache.v[0].shape, generator=gen),
+                    q=torch.randn(tokens, heads, head_dim, generator=gen),
+                    k=torch.randn(tokens, kv_heads, head_dim, generator=gen),
+                    v=torch.randn(tokens, kv_heads, head_dim, generator=gen))
+    cache.k[0].copy_(data["ck"])
+    cache.v[0].copy_(data["cv"])
+    attn = PagedCanvasAttention(cache, [sliding], kernel=kernel)
+    attn.begin(build_canvas_metadata(rows, L, window, torch.device(device), masks=not kernel))
+    q, k, v = (data[n].to(device=device, dtype=dtype) for n in "qkv")
+    return attn.forward(0, q, k, v), cache.k[0].clone(), data
+
+
+# (cached, encoder, canvas) rows: a canvas alone, a commit + canvas, a prompt chunk without a canvas,
+# a first prompt block (nothing cached), a canvas with nothing cached (a padding-like row)
+MIXED = [(9, 0, True), (5, 8, True), (3, 13, False), (0, 8, True), (0, 0, True), (20, 3, True)]
+
+
+def check_against_torch(L, window, heads, kv_heads, head_dim, sliding, specs=MIXED, seed=0):
+    got, cache_got, data = run_layer(specs, L, window, heads, kv_heads, head_dim, sliding, kernel=True, gen_seed=seed)
+    want, cache_want, _ = run_layer(specs, L, window, heads, kv_heads, head_dim, sliding, kernel=False,
+                                    gen_seed=seed, data=data)
+    assert torch.equal(cache_got, cache_want), "the kernel path writes the cache as the torch path does"
+    # unit-normal q and k: scores ~ sqrt(D) (up to ~80 at 512), so fp32 rounding grows with D
+    err = (got - want).abs().max().item()
+    assert err < 2e-7 * head_dim + 1e-5, (L, window, head_dim, sliding, err)
+
+
+def check_batch_invariance(L, window, heads, kv_heads, head_dim, sliding, device="cpu", dtype=torch.float32):
+    """Row (7 cached, a canvas) alone, then first and last among rows of longer prefixes / prompt chunks:
+    its output bits do not move."""
+    from fluxlab.kernels.canvas_attention import canvas_attention
+
+    gen = torch.Generator().manual_seed(5)
+    Hkv, D = kv_heads, head_dim
+    slots_total = 512
+    cache_k = torch.randn(slots_total, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    cache_v = torch.randn(slots_total, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+
+    def row_inputs(K, E, canvas, seed):
+        g = torch.Generator().manual_seed(seed)
+        n = E + (L if canvas else 0)
+        return dict(K=K, E=E, n=n, canvas=canvas, q=torch.randn(n, heads, D, generator=g),
+                    k=torch.randn(n, Hkv, D, generator=g), v=torch.randn(n, Hkv, D, generator=g),
+                    slots=torch.randperm(slots_total, generator=g)[:K])
+
+    def batch(rows):
+        offset, qs, ks, vs = 0, [], [], []
+        Q = max(r["n"] for r in rows)
+        firsts = [max(0, r["K"] - r["E"] - (window - 1)) if sliding else 0 for r in rows]
+        Kt = max(r["K"] - f for r, f in zip(rows, firsts))
+        query = torch.zeros(len(rows), Q, dtype=torch.long)
+        canvas = torch.zeros(len(rows), L, dtype=torch.long)
+        slots = torch.zeros(len(rows), max(Kt, 1), dtype=torch.long)
+        geometry = torch.zeros(4, len(rows), dtype=torch.long)
+        for i, (r, f) in enumerate(zip(rows, firsts)):
+            query[i, :r["n"]] = offset + torch.arange(r["n"])
+            if r["canvas"]:
+                canvas[i] = offset + r["E"] + torch.arange(L)
+            slots[i, :r["K"] - f] = r["slots"][f:]
+            geometry[:, i] = torch.tensor([r["K"], r["E"], r["n"], f])
+            offset += r["n"]
+            qs.append(r["q"]), ks.append(r["k"]), vs.append(r["v"])
+        to = dict(device=device)
+        out = canvas_attention(torch.cat(qs).to(device=device, dtype=dtype), torch.cat(ks).to(device=device, dtype=dtype),
+                               torch.cat(vs).to(device=device, dtype=dtype), cache_k, cache_v, query.to(**to),
+                               canvas.to(**to), slots.to(**to), geometry.to(**to), window if sliding else 0)
+        return out, query
+
+    target = row_inputs(7, 0, True, 1)
+    others = [row_inputs(40, 0, True, 2), row_inputs(19, 12, True, 3), row_inputs(30, 9, False, 4)]
+    alone, _ = batch([target])
+    alone = alone[:target["n"]]
+    first, _ = batch([target] + others)
+    last, query = batch(others + [target])
+    assert torch.equal(first[:target["n"]], alone)
+    assert torch.equal(last[query[-1, :target["n"]]], alone)
+
+
+def check_engine_tokens(static: bool) -> None:
+    """The tiny checkpoint served with the kernel (eager, or the static path called as is, padded rows and
+    the commit graph): transformers' tokens, fp32 (tests/test_canvas_engine.py's check)."""
+    from test_canvas_engine import BASE, cases, check, prompt_ids
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from fluxlab.checkpoint import ensure_tiny_checkpoint
+    from fluxlab.llm import LLM
+    from fluxlab.models.diffusion_gemma.checkpoint import PRESET
+
+    import fluxlab.kernels.canvas_stats as canvas_stats
+    import fluxlab.kernels.invariant_matmul as invariant_matmul
+    import fluxlab.models.diffusion_gemma.model as model
+
+    # the interpreter would also turn every fp32 linear and the sampler into Triton kernels: the torch ops
+    # there (what a CPU run uses), so only attention changes and the check stays minutes, not a quarter hour
+    invariant_matmul.use_kernel = model.use_kernel = canvas_stats.use_kernel = lambda t: False
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(str(ensure_tiny_checkpoint(preset=PRESET)),
+                                                         dtype=torch.float32).eval()
+    llm = LLM(overrides=BASE)  # validation keeps attention=triton to CUDA: switch the CPU runner by hand
+    runner = llm.engine.runner
+    runner.attention.kernel = True
+    vocab = llm.engine.model_config.vocab_size
+    if static:
+        runner.enable_denoise_graphs([2, 4], capture=False)
+        check(llm, hf, [(prompt_ids(n, s, vocab), s, m) for n, s, m in ((8, 0, 24), (13, 1, 20), (16, 2, 24),
+                                                                            (21, 3, 17))])
+        assert runner.graphs.denoisers and all(d.attention.kernel for d in runner.graphs.denoisers.values())
+        assert any(d.E for d in runner.graphs.denoisers.values()), "the commit graph ran"
+    else:  # prompts of 1, 8, 9, 16 and 21 tokens (canvas and window 8), 4 seats: chunks beside canvases
+        check(llm, hf, [c for i, c in enumerate(cases(vocab, max_new=(5, 8, 13))) if i in (0, 3, 4, 6, 7)])
+    llm.shutdown()
+
+
+def _interpreter_checks(which: str) -> None:
+    if which != "kernel":
+        check_engine_tokens(static=which == "static")
+        print("interpreter checks ok")
+        return
+    import fluxlab.kernels.canvas_attention as ca
+
+    for sliding in (True, False):
+        # head_dim 64 (GQA 4:2) and 512 (one KV head, as the 26B-A4B's full layers have two of 16)
+        check_against_torch(L=8, window=11, heads=4, kv_heads=2, head_dim=64, sliding=sliding)
+        check_against_torch(L=8, window=11, heads=2, kv_heads=1, head_dim=512, sliding=sliding, seed=1)
+        check_against_torch(L=8, window=5, heads=2, kv_heads=2, head_dim=20, sliding=sliding, seed=2)  # padded D
+    check_against_torch(L=4, window=12, heads=2, kv_heads=1, head_dim=64, sliding=True, seed=3)  # window 3 canvases
+    # small tiles: several query tiles and key blocks a row, blocks straddling the canvas end, skipped blocks
+    saved = dict(ca.CONFIGS)
+    ca.CONFIGS.update({64: (16, 16, 4, 2), 512: (16, 16, 8, 2)})
+    try:
+        for window in (7, 16, 40):
+            check_against_torch(L=24, window=window, heads=2, kv_heads=1, head_dim=64, sliding=True, seed=window,
+                                specs=[(50, 0, True), (33, 24, True), (10, 37, False), (0, 24, True)])
+        check_against_torch(L=24, window=16, heads=2, kv_heads=1, head_dim=64, sliding=False, seed=9,
+                            specs=[(50, 0, True), (33, 24, True), (10, 37, False), (0, 24, True)])
+        for sliding in (True, False):
+            check_batch_invariance(L=24, window=20, heads=2, kv_heads=1, head_dim=64, sliding=sliding)
+    finally:
+        ca.CONFIGS.clear()
+        ca.CONFIGS.update(saved)
+    check_batch_invariance(L=8, window=11, heads=4, kv_heads=2, head_dim=64, sliding=True)
+    check_batch_invariance(L=8, window=11, heads=2, kv_heads=1, head_dim=512, sliding=False)
+    print("interpreter checks ok")
+
+
+def test_attention_key_is_honoured_or_refused_by_name():
+    """Diffusion-Gemma runs attention=sdpa (auto, any device) or attention=triton (CUDA); the LLaDA2 backends
+    are refused with the reason."""
+    from fluxlab.config import ConfigError, compose, validate_config
+
+    def valid(*overrides, cuda=True):
+        cfg = compose("serve", ["model=tiny_diffusion_gemma", *overrides])
+        validate_config(cfg, cuda_available=cuda)
+        return cfg
+
+    assert valid().attention.backend == "sdpa" and valid(cuda=False).attention.backend == "sdpa"
+    assert valid("attention=triton", "engine.dtype=bfloat16").attention.backend == "triton"
+    assert valid("attention=triton", "engine.dtype=float32").attention.backend == "triton"  # IEEE dots
+    with pytest.raises(ConfigError, match="attention.backend=triton needs a CUDA device"):
+        valid("attention=triton", "engine.device=cpu", cuda=False)
+    for backend in ("flashinfer", "fa4"):
+        with pytest.raises(ConfigError, match=f"attention.backend={backend}: model=tiny_diffusion_gemma "
+                                              r"\(Diffusion-Gemma\) runs its own canvas attention"):
+            valid(f"attention={backend}")
+
+
+CHECKS = "CANVAS_ATTENTION_CHECKS"  # which part the interpreter subprocess runs (each fits its 300 s)
+needs_triton = pytest.mark.skipif(not HAVE_TRITON,
+                                  reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")
+
+
+@needs_triton
+def test_canvas_attention_matches_torch_and_is_batch_invariant_interpreter(monkeypatch):
+    monkeypatch.setenv(CHECKS, "kernel")
+    run_interpreter_checks(__file__)
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_engine_with_the_kernel_gives_transformers_tokens_interpreter(monkeypatch, path):
+    monkeypatch.setenv(CHECKS, path)
+    run_interpreter_checks(__file__)
+
+
+needs_gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU and triton")
+CANVAS = 256
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,kv_heads,sliding", [(256, 8, True), (512, 2, False)])
+def test_canvas_attention_on_26b_head_shapes(dtype, head_dim, kv_heads, sliding):
+    """26B-A4B's layers (16 query heads; sliding: 256 x 8 KV heads, window 1024; full: 512 x 2), canvas 256,
+    rows of cached prompts, a commit beside its canvas and a prompt chunk: close to the torch path, and a
+    canvas row's bits alone = in the batch."""
+    specs = [(300, 0, True), (1100, 256, True), (40, 512, False), (0, 0, True), (2000, 0, True)]
+    pool = sum(c + e for c, e, _ in specs) + 8
+    got, cache_got, data = run_layer(specs, CANVAS, 1024, 16, kv_heads, head_dim, sliding, kernel=True,
+                                     dtype=dtype, device="cuda", pool=pool)
+    want, cache_want, _ = run_layer(specs, CANVAS, 1024, 16, kv_heads, head_dim, sliding, kernel=False,
+                                    dtype=dtype, device="cuda", data=data, pool=pool)
+    assert torch.equal(cache_got, cache_want)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    first_row = {n: (t if n in ("ck", "cv") else t[:CANVAS]) for n, t in data.items()}
+    alone, _, _ = run_layer(specs[:1], CANVAS, 1024, 16, kv_heads, head_dim, sliding, kernel=True, dtype=dtype,
+                            device="cuda", data=first_row, pool=pool)
+    assert torch.equal(alone, got[:CANVAS]), "the first row (a canvas) alone vs in the batch"
+
+
+def _gpu_llm(path, dtype: str, attention: str, graphs: bool):
+    from fluxlab.llm import LLM
+
+    return LLM(overrides=[
+        "model=tiny_diffusion_gemma", f"model.path={path}", "model.preset=null", f"decoding.canvas_length={CANVAS}",
+        f"model.max_model_len={8 * CANVAS}", f"model.max_new_tokens={2 * CANVAS}", f"engine.dtype={dtype}",
+        "engine.device=cuda", "scheduler=paged", "scheduler.max_num_seqs=8",
+        f"scheduler.max_scheduled_tokens={8 * 2 * CANVAS}", "scheduler.num_device_pages=96",
+        "scheduler.enable_prefix_cache=false", f"attention={attention}"]
+        + (["attention.use_decode_cuda_graph=true", "attention.cuda_graph_capture_bs=[1,8]"] if graphs else []))
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory):
+    """The GPU invariance test's checkpoint (canvas 256, window 2 canvases, full layers 128 x 2 KV heads)."""
+    from test_diffusion_gemma_shapes import write_checkpoint
+    from test_gpu_diffusion_gemma_invariance import _shape
+
+    return write_checkpoint(_shape(), tmp_path_factory.mktemp("ckpt") / "dg")
+
+
+def _requests(n: int):
+    from fluxlab.engine.request import SamplingParams
+
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(2000 + i)
+        length = 1 + int(torch.randint(0, 3 * CANVAS, (1,), generator=g))
+        out.append((torch.randint(4, 4096, (length,), generator=g).tolist(),
+                    SamplingParams(max_new_tokens=(CANVAS, 2 * CANVAS)[i % 2], seed=i, ignore_eos=True)))
+    return out
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp32_tokens_equal_sdpa_on_the_gpu(gpu_checkpoint):
+    """fp32 (IEEE dots): the kernel's tokens are sdpa's for a mixed batch (and so transformers', which the
+    CPU tests hold sdpa to), eager steps and the denoiser graphs alike."""
+    requests = _requests(4)
+    tokens = {}
+    for attention, graphs in (("sdpa", False), ("triton", False), ("triton", True)):
+        llm = _gpu_llm(gpu_checkpoint, "float32", attention, graphs)
+        tokens[attention, graphs] = [r.token_ids for r in llm.generate([p for p, _ in requests],
+                                                                       [s for _, s in requests])]
+        llm.shutdown()
+    assert tokens["triton", False] == tokens["sdpa", False]
+    assert tokens["triton", True] == tokens["sdpa", False]
+
+
+def _forward_logits(runner, batch) -> torch.Tensor:
+    """[rows, L, V] logits of one denoising forward of `batch` (no sampler, no state change)."""
+    from fluxlab.models.diffusion_gemma.paged_attention import build_canvas_metadata
+
+    L = runner.block_length
+    rows, token_ids, positions, canvas_at, decoding, _ = runner._rows(batch)
+    states = [runner._state(r) for r in decoding]
+    ids = torch.from_numpy(token_ids).to(runner.device)
+    ids.copy_(torch.cat([s.canvas for s in states]))  # denoise-only rows: every token is a canvas token
+    pos = torch.from_numpy(positions).to(runner.device)
+    zeros = runner.zero_soft
+    soft = torch.cat([s.soft_embeds if s.soft_embeds is not None else zeros for s in states])
+    runner.attention.begin(build_canvas_metadata(rows, L, runner.model.sliding_window, runner.device,
+                                                 masks=not runner.attention.kernel))
+    is_canvas = torch.ones(len(token_ids), dtype=torch.bool, device=runner.device)
+    hidden = runner.model(ids, pos, runner.attention, is_canvas, soft)
+    return runner.model.compute_logits(hidden).view(len(decoding), L, -1)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_forward_argmax_agrees_with_sdpa(gpu_checkpoint):
+    """bf16: one denoising forward of 4 mid-canvas rows through the kernel and through sdpa, same inputs and
+    cache: the argmax tokens agree at >= 99% of positions and the logits to bf16 rounding. (Sampled tokens
+    over a whole request are not compared: two correct bf16 kernels round differently, and one flipped draw
+    changes everything after it.)"""
+    from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+
+    llm = _gpu_llm(gpu_checkpoint, "bfloat16", "sdpa", False)
+    engine, runner = llm.engine, llm.engine.runner
+    for prompt, params in _requests(4):
+        engine.add_request(prompt, params)
+    for _ in range(4):  # prefill, then denoising steps
+        engine.step()
+    requests = [r for r in engine.requests.values() if r.canvas is not None and not r.canvas.needs_canvas]
+    assert requests
+    batch = ScheduledBatch.of_rows([ScheduledRow(r, r.active_block, 1, True) for r in requests], engine.block_length)
+    with torch.inference_mode():
+        want = _forward_logits(runner, batch)
+        runner.attention.kernel = True
+        got = _forward_logits(runner, batch)
+        runner.attention.kernel = False
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    llm.shutdown()
+    assert agree >= 0.99 and err < 2e-2, (agree, err)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_tokens_do_not_depend_on_the_batch_with_the_kernel(gpu_checkpoint):
+    """attention=triton, bf16, denoiser graphs: a request's tokens alone = first in a batch of 8."""
+    from fluxlab.engine.request import SamplingParams
+
+    llm = _gpu_llm(gpu_checkpoint, "bfloat16", "triton", True)
+    target = ([5 + (7 * j) % 4000 for j in range(100)], SamplingParams(max_new_tokens=2 * CANVAS, seed=12345,
+                                                                      ignore_eos=True))
+    results = {}
+    for size in (1, 8):
+        others = _requests(size - 1)
+        results[size] = llm.generate([target[0]] + [p for p, _ in others],
+                                     [target[1]] + [s for _, s in others])[0].token_ids
+    runner = llm.engine.runner
+    assert runner.attention.kernel and runner.num_graph_forwards > 0 and runner.num_eager_forwards > 0
+    llm.shutdown()
+    assert len(results[1]) == 2 * CANVAS and results[8] == results[1]
+
+
+if __name__ == "__main__":
+    import os
+
+    _interpreter_checks(os.environ.get(CHECKS, "kernel"))
