@@ -2,7 +2,7 @@
 
     python -m fluxlab.bench.canvas [--preset diffusion_gemma_26b_a4b] [--batch-sizes 1,16,64]
         [--concurrency 1,16] [--steps 16] [--prompt-tokens 256] [--max-new-tokens 1024]
-        [--graphs off|on|both] [--quantization none|fp8] [--out FILE]
+        [--graphs off|on|both] [--quantization none|fp8] [--attention sdpa|triton] [--out FILE]
 
 Random bf16 weights of the preset on the GPU (model.load_format=random). Part 1, per batch size B:
 B requests whose prompt K/V is in the cache; "denoise" = one forward over B canvases + the canvas
@@ -32,7 +32,7 @@ from fluxlab.engine.request import SamplingParams
 
 
 def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, graph_rows: list[int],
-            quantization: str = "none"):
+            quantization: str = "none", attention: str = "sdpa"):
     from fluxlab.config.compose import compose
     from fluxlab.config.validate import validate_config
     from fluxlab.models.diffusion_gemma.engine import CanvasEngine
@@ -43,6 +43,7 @@ def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, gra
         model = ["model=diffusion_gemma", f"model.preset={preset}", "model.load_format=random", "engine.dtype=bfloat16",
                  "engine.device=cuda"]
     model.append(f"model.quantization={quantization}")  # fp8: the preset's random weights quantized at load
+    model.append(f"attention={attention}")  # triton: kernels/canvas_attention.py instead of gather + sdpa
     cfg = compose("bench", model + ["tracking=none"])
     canvas = cfg.decoding.canvas_length
     graphs = ["attention.use_decode_cuda_graph=true",
@@ -123,7 +124,8 @@ def forward_times(engine, batch: int, prompt_tokens: int, repeats: int) -> dict:
         ids = torch.from_numpy(token_ids).to(runner.device)
         pos = torch.from_numpy(positions).to(runner.device)
         is_canvas = torch.ones(len(token_ids), dtype=torch.bool, device=runner.device)
-        runner.attention.begin(build_canvas_metadata(rows, L, runner.model.sliding_window, runner.device))
+        runner.attention.begin(build_canvas_metadata(rows, L, runner.model.sliding_window, runner.device,
+                                                     masks=not runner.attention.kernel))
         hidden = runner.model(ids, pos, runner.attention, is_canvas)
         chunk = max(1, runner.step_elements // (L * runner.vocab_size))
         for lo in range(0, batch, chunk):  # the runner's chunked logits, without the sampler
@@ -224,6 +226,8 @@ def main(argv=None) -> None:
                         help="denoiser CUDA graphs (attention.use_decode_cuda_graph) off, on, or off then on")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
                         help="model.quantization (fp8: e4m3 projections and experts, quantized at load)")
+    parser.add_argument("--attention", choices=("sdpa", "triton"), default="sdpa",
+                        help="attention: sdpa over gathered keys, or the batch-invariant Triton canvas kernel (CUDA)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on CPU (checks the script)")
     args = parser.parse_args(argv)
@@ -233,7 +237,7 @@ def main(argv=None) -> None:
     canvas = 8 if args.smoke else 256
     pages_per_seq = -(-(args.prompt_tokens + args.max_new_tokens) // canvas) + 2
     graph_rows = sorted(set(batches + concurrency)) if args.graphs != "off" else []
-    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke, graph_rows, args.quantization)
+    engine = _engine(args.preset, seqs, pages_per_seq, args.smoke, graph_rows, args.quantization, args.attention)
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "canvas_bench.json")
     results = {}
     graphs = engine.runner.graphs
