@@ -83,10 +83,11 @@ if HAVE_TRITON:
         head = tl.program_id(1)
         row = tl.program_id(2).to(tl.int64)
         kv_head = head // group
-        num_keys = tl.load(geom_ptr + row)  # K: the row's prefix keys are positions 0 .. K-1
-        num_encoder = tl.load(geom_ptr + stride_geom + row)
-        num_queries = tl.load(geom_ptr + 2 * stride_geom + row)
-        first = tl.load(geom_ptr + 3 * stride_geom + row)  # position of prefix key 0
+        # (int32 from here: counts and positions; token and slot offsets are widened where they are used)
+        num_keys = tl.load(geom_ptr + row).to(tl.int32)  # K: the row's prefix keys are positions 0 .. K-1
+        num_encoder = tl.load(geom_ptr + stride_geom + row).to(tl.int32)
+        num_queries = tl.load(geom_ptr + 2 * stride_geom + row).to(tl.int32)
+        first = tl.load(geom_ptr + 3 * stride_geom + row).to(tl.int32)  # position of prefix key 0
         lo_q = tile * BLOCK_M
         i = lo_q + tl.arange(0, BLOCK_M)
         q_ok = i < num_queries
