@@ -204,6 +204,7 @@ class Fp8GemmaExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
                 static: bool = False) -> torch.Tensor:
+        """static needs nothing more: the kernel is sync-free (the CPU reference, never in a graph, is not)."""
         return fp8_moe(x, index, weights, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
                        self.down_proj_scale_inv, activation="gelu_tanh")
 
