@@ -22,7 +22,7 @@ from triton_helpers import run_interpreter_checks
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def random_rows(specs, L: int, window: int, pool: int, gen: torch.Generator):
+def random_rows(specs, L: int, pool: int, gen: torch.Generator):
     """CanvasRows from (cached prefix tokens, encoder tokens, has canvas) per row; distinct slots per row
     in both pools, the sliding ring keeping the blocks a later query sees (here: every encoder key)."""
     from fluxlab.models.diffusion_gemma.paged_attention import CanvasRow
@@ -54,7 +54,7 @@ def run_layer(specs, L, window, heads, kv_heads, head_dim, sliding, kernel, gen_
 
     gen = torch.Generator().manual_seed(gen_seed)
     pool = pool or sum(c + e for c, e, _ in specs) + 8
-    rows, tokens = random_rows(specs, L, window, pool, gen)
+    rows, tokens = random_rows(specs, L, pool, gen)
     cache = CanvasKVCache([(kv_heads, head_dim)], [sliding], pool // L + 1, pool // L + 1, L, dtype, device)
     if data is None:
         data = dict(ck=torch.randn(cache.k[0].shape, generator=gen), cv=torch.randn(cache.v[0].shape, generator=gen),
@@ -119,10 +119,9 @@ def check_batch_invariance(L, window, heads, kv_heads, head_dim, sliding, device
             geometry[:, i] = torch.tensor([r["K"], r["E"], r["n"], f])
             offset += r["n"]
             qs.append(r["q"]), ks.append(r["k"]), vs.append(r["v"])
-        to = dict(device=device)
-        out = canvas_attention(torch.cat(qs).to(device=device, dtype=dtype), torch.cat(ks).to(device=device, dtype=dtype),
-                               torch.cat(vs).to(device=device, dtype=dtype), cache_k, cache_v, query.to(**to),
-                               canvas.to(**to), slots.to(**to), geometry.to(**to), window if sliding else 0)
+        q, k, v = (torch.cat(t).to(device=device, dtype=dtype) for t in (qs, ks, vs))
+        out = canvas_attention(q, k, v, cache_k, cache_v, query.to(device), canvas.to(device), slots.to(device),
+                               geometry.to(device), window if sliding else 0)
         return out, query
 
     target = row_inputs(7, 0, True, 1)
