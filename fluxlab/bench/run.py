@@ -69,7 +69,7 @@ class Outcome:
 def request_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The per-request decoding keys, sent with every request so a kept server or engine obeys this job:
     those the model's family reads (a server refuses another family's knobs with a 400)."""
-    from fluxlab.server.protocol import served_knobs
+    from fluxlab.server.served_fields import served_knobs
 
     served = served_knobs(cfg.model)
     return {key: cfg.decoding[key] for key in PER_REQUEST_KEYS if key in served}

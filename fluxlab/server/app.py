@@ -21,7 +21,8 @@ from fluxlab.server.body_limit import BodySizeLimit
 from fluxlab.server.client_timeouts import BodyReadTimeout
 from fluxlab.server.errors import install_error_handlers
 from fluxlab.server.openapi import install_openapi
-from fluxlab.server.protocol import request_models, served_fields
+from fluxlab.server.protocol import request_models
+from fluxlab.server.served_fields import served_fields
 from fluxlab.server.routes_openai import openai_router
 from fluxlab.server.served_model import ServedModel
 from fluxlab.server.shutdown import RefuseWhileStopping, Shutdown

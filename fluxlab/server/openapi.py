@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from fluxlab.server.protocol import ErrorResponse
+from fluxlab.server.response_models import ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _DESCRIPTIONS = {"400": "Bad request (the OpenAI error shape; `param` names the field)", "401": "Missing or wrong API key",

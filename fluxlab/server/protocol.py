@@ -18,38 +18,16 @@ would allow every value.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictStr, create_model,
                       field_validator)
 from pydantic.json_schema import WithJsonSchema
-from pydantic.types import Strict
 
-from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX, Knob, above_ceiling, work_ceilings
-from fluxlab.engine.decoding.registry import DECODERS
+from fluxlab.engine.decoding.knobs import KNOBS, SEED_MAX as _SEED_MAX
 from fluxlab.engine.request import SamplingParams
-from fluxlab.models.registry import FAMILY_KNOBS, family_of_model
-
-# Strict finite numbers: "0.7" as a string is a client mistake, not something to coerce silently,
-# and JSON's 1e400 parses to inf, which no knob means.
-Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-
-
-def _integral(value: Any) -> Any:
-    # JSON Schema's `integer` is a number without a fraction, so 1.0 is the integer 1 (and a client's
-    # JSON encoder may write it so); strings and booleans stay refused.
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def Integer(**field: Any) -> Any:
-    """A strict integer with its Field (bounds, description). The bounds sit inside the conversion so
-    the document says minimum/maximum, not pydantic's own ge/le."""
-    return Annotated[StrictInt, Field(**field), BeforeValidator(_integral)]
-
-
-def _number(kind: type, **field: Any) -> Any:
-    return Annotated[Float, Field(**field)] if kind is float else Integer(**field)
+from fluxlab.server.json_types import Float, Integer
+from fluxlab.server.served_fields import ANY_MODEL, ServedFields, decoding_fields
 
 # The OpenAI/vLLM seed is a signed 64-bit integer (the engine's bound, decoding/knobs.py).
 SEED_MIN, SEED_MAX = -_SEED_MAX - 1, _SEED_MAX
@@ -78,139 +56,6 @@ class StreamOptions(BaseModel):
 def _unsupported(default: Any = None, **schema: Any) -> Any:
     """A field we do not implement: documented as accepting only its default."""
     return Field(default, description="not supported: any other value is a 400", **schema)
-
-
-@dataclass(frozen=True)
-class ServedFields:
-    """The decoding fields of one served model's bodies (`served_fields`): they become its request
-    models and so its OpenAPI document."""
-
-    decoders: tuple[str, ...]  # the `decoder` values it runs
-    knobs: tuple[str, ...]  # knobs it reads, with the registry's bounds
-    pinned: dict[str, tuple[Any, str]] = field(default_factory=dict)  # knob -> (its one value, why)
-    refused: dict[str, str] = field(default_factory=dict)  # knob it does not read -> the 400's message
-    block_length: Optional[int] = None  # the bound of `steps` (None: the engine checks it)
-    vocab_size: Optional[int] = None  # the bound of a prompt's token ids (None: the server checks it)
-    ceilings: dict[str, int] = field(default_factory=dict)  # knob -> its work ceiling (decoding.<knob>_limit)
-
-
-# The OpenAI sampling fields the canvas decoder cannot vary (it has its own temperature schedule).
-CANVAS_PINNED = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-
-
-def _decodes_canvases(model: Any) -> bool:
-    return family_of_model(model).canvas
-
-
-def served_knobs(model: Any) -> tuple[str, ...]:
-    """The knobs a request to this model may carry: its family's own (registry), and the ones it takes at one value."""
-    family = family_of_model(model)
-    if family.canvas:
-        return (*family.knobs, *CANVAS_PINNED)
-    return tuple(k for k in KNOBS if k not in FAMILY_KNOBS)
-
-
-def served_fields(cfg: Any, vocab_size: Optional[int] = None) -> ServedFields:
-    """What the model of `cfg` takes per request (`served_knobs`, its decoders, their bounds)."""
-    name, knobs = cfg.model.name, served_knobs(cfg.model)
-    if _decodes_canvases(cfg.model):
-        why = "the canvas decoder samples with its own temperature schedule (t_min, t_max); leave it unset"
-        pinned = {k: (value, why) for k, value in CANVAS_PINNED.items()}
-        own = tuple(k for k in knobs if k not in pinned)
-        refused = {k: f"{k} is not a Diffusion-Gemma knob: {name} decodes with decoder=canvas, whose knobs are "
-                      f"{', '.join(own)}" for k in KNOBS if k not in knobs}
-        return ServedFields(("canvas",), own, pinned, refused, vocab_size=vocab_size,
-                            ceilings=work_ceilings(cfg.decoding, _checkpoint_knobs(cfg.model), own))
-    refused = {k: f"{k} is a canvas-decoder knob (Diffusion-Gemma); {name} does not read it"
-               for k in KNOBS if k not in knobs}
-    return ServedFields(_runnable_decoders(cfg), knobs, refused=refused, block_length=cfg.decoding.block_length,
-                        vocab_size=vocab_size, ceilings=work_ceilings(cfg.decoding, knobs=knobs))
-
-
-def _checkpoint_knobs(model: Any) -> dict:
-    """A Diffusion-Gemma checkpoint's own knob values (generation_config.json): the defaults, and so
-    the work ceilings, of the engine that serves it (CanvasEngine.generation_defaults)."""
-    return family_of_model(model).hooks().generation_defaults(model)
-
-
-def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
-    """The block decoders whose special tokens the model has (levenshtein_joint needs LLaDA2.2's
-    delete and split ids): the rule of the engine's `_missing_special_ids`, on the same ids."""
-    from fluxlab.engine.llm_engine import resolve_model_dir
-
-    try:
-        model_dir = resolve_model_dir(cfg.model)
-    except ValueError:
-        model_dir = None  # random weights without files: the preset says
-    family = family_of_model(cfg.model)
-    special = family.hooks().special_ids(model_dir, preset=cfg.model.preset)
-    return tuple(name for name, decoder in DECODERS.items()
-                 if not family.refuses(name)
-                 and all(getattr(special, i) is not None for i in decoder.special_ids))
-
-
-# Every decoder and knob, no served model's limits: the models a config-free caller validates with.
-ANY_MODEL = ServedFields(tuple(DECODERS), tuple(KNOBS))
-
-
-def _knob_field(knob: Knob, block_length: Optional[int], ceiling: Optional[int] = None) -> Any:
-    """A knob's body field: its type and JSON-schema bounds, as the registry writes them, the
-    maximum lowered to the served model's work ceiling."""
-    bounds: dict[str, Any] = {}
-    if knob.minimum is not None:
-        bounds["gt" if knob.exclusive_minimum else "ge"] = knob.minimum
-    maximum = block_length if knob.up_to_block_length else knob.maximum
-    if ceiling is not None:
-        maximum = ceiling if maximum is None else min(maximum, ceiling)
-    if maximum is not None:
-        bounds["le"] = maximum
-    return (Optional[_number(knob.kind, description=knob.help or None, **bounds)], None)
-
-
-def _pinned_field(knob: Knob, value: Any, why: str) -> Any:
-    return (Optional[_number(knob.kind, ge=value, le=value)], Field(None, description=f"only {value}: {why}"))
-
-
-def _decoding_fields(served: ServedFields) -> dict[str, Any]:
-    """create_model fields and validators of `served`'s decoder and knobs."""
-    fields: dict[str, Any] = {"decoder": (Optional[Literal[served.decoders]], None)}
-    for name, knob in KNOBS.items():
-        if name in served.pinned:
-            fields[name] = _pinned_field(knob, *served.pinned[name])
-        elif name in served.knobs:
-            fields[name] = _knob_field(knob, served.block_length, served.ceilings.get(name))
-        else:  # another family's: documented as null only (bodies may carry any other name), refused below
-            why = served.refused.get(name, f"{name} is not supported")
-            fields[name] = (None, Field(None, description=f"{why}: only null"))
-
-    def refuse(cls, value: Any, info) -> Any:
-        if value is not None:
-            raise ValueError(served.refused.get(info.field_name, f"{info.field_name} is not supported"))
-        return value
-
-    def pin(cls, value: Any, info) -> Any:
-        one, why = served.pinned[info.field_name]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != one:
-            raise ValueError(f"{info.field_name}={value!r}: {why}")
-        return value  # a wrong type is left to the type check
-
-    def under_ceiling(cls, value: Any, info) -> Any:
-        # before the `maximum` check, so the 400 names the key that sets the ceiling
-        problem = above_ceiling(info.field_name, value, served.ceilings[info.field_name])
-        if problem:
-            raise ValueError(problem)
-        return value
-
-    validators = {}
-    limited = tuple(n for n in served.ceilings if n in served.knobs)
-    if limited:
-        validators["_work_ceilings"] = field_validator(*limited, mode="before")(under_ceiling)
-    others = tuple(n for n in KNOBS if n not in served.knobs and n not in served.pinned)
-    if others:
-        validators["_refuse_other_knobs"] = field_validator(*others, mode="before")(refuse)
-    if served.pinned:
-        validators["_pinned_knobs"] = field_validator(*served.pinned, mode="before")(pin)
-    return {"__validators__": validators, **fields}
 
 
 # response_format (docs/structured_output.md): its shape, stated in the document as a union on `type`, so
@@ -623,11 +468,11 @@ class ChatFields(DecodingFields):
 
 def request_models(served: ServedFields) -> tuple[type[CompletionFields], type[ChatFields]]:
     """The completion and chat request models of a served model (named as in its OpenAPI document)."""
-    completion = _decoding_fields(served)
+    completion = decoding_fields(served)
     completion["__validators__"]["_ids_in_vocabulary"] = _ids_in_vocabulary(served.vocab_size)
     return (create_model("CompletionRequest", __base__=CompletionFields, prompt=_prompt_field(served.vocab_size),
                          **completion),
-            create_model("ChatCompletionRequest", __base__=ChatFields, **_decoding_fields(served)))
+            create_model("ChatCompletionRequest", __base__=ChatFields, **decoding_fields(served)))
 
 
 CompletionRequest, ChatCompletionRequest = request_models(ANY_MODEL)
@@ -648,87 +493,3 @@ def _json_name(value: Any) -> str:
         if isinstance(value, kind):
             return name
     return type(value).__name__
-
-
-# ---------------------------------------------------------------------- responses (documentation)
-# FastAPI writes these into the OpenAPI document (`responses=`); handlers build plain dicts.
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str]
-    code: Optional[str]
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class Usage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    index: int
-    text: str
-    logprobs: None
-    finish_reason: Optional[Literal["stop", "length", "abort"]]
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: ToolCallFunction
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"]
-    content: Optional[str]
-    tool_calls: Optional[list[ToolCallOut]] = None
-
-
-class ChatChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    index: int
-    message: ChatMessageOut
-    logprobs: None
-    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]]
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str = Field(description="where the weights were loaded from (a local path, or the model name)")
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request
 
 from fluxlab.engine.request import SamplingParams
 from fluxlab.server.openapi import error_responses
-from fluxlab.server.protocol import (ChatCompletionResponse, ChatFields, CompletionFields, CompletionResponse,
-                                     ModelList, ServerError)
+from fluxlab.server.protocol import ChatFields, CompletionFields, ServerError
+from fluxlab.server.response_models import ChatCompletionResponse, CompletionResponse, ModelList
 from fluxlab.server.replies import reply
 from fluxlab.server.response_shapes import ChatShape, CompletionShape
 from fluxlab.server.served_model import Served, ServedModel
