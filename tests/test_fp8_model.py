@@ -130,6 +130,8 @@ FP8_RULES = [
     (["model.quantization=fp8", "parallel=tp2"], "FP8 runs on one GPU"),
     (["model.quantization=fp8", "engine.moe_backend=loop"], "engine.moe_backend=loop with model.quantization=fp8"),
     (["model.kv_cache_dtype=fp8_e5m2"], "model.kv_cache_dtype='fp8_e5m2': use auto or fp8_e4m3"),
+    (["model=tiny_sdar", "model.quantization=fp8"], "(SDAR) has no FP8 weight path yet"),
+    (["model=tiny_sdar_moe", "model.quantization=fp8"], "(SDAR-MoE) has no FP8 weight path yet"),
 ]
 
 

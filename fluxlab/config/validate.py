@@ -222,6 +222,9 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                "model.load_format=random needs model.preset (the shapes to build)")
         _check(model.quantization in ("none", "fp8"), f"model.quantization={model.quantization!r}: use none or fp8")
         if model.quantization == "fp8":
+            _check(family.fp8_weights,
+                   f"model.quantization=fp8: {describe(model)} ({family.title}) has no FP8 weight path yet (LLaDA2 and "
+                   "Diffusion-Gemma have); use model.quantization=none")
             _check(par.tp_size == 1 and par.ep_size == 1,
                    f"model.quantization=fp8 with parallel.tp_size={par.tp_size}, parallel.ep_size={par.ep_size}: FP8 "
                    "runs on one GPU (the 128x128 block scales are not cut into TP/EP shards yet)")

@@ -40,6 +40,7 @@ class Family:
     parallel: bool = False  # the block engine's tensor/expert parallelism runs it (parallel.tp_size > 1)
     block_routing: bool = False  # config.json expert_capacity > 0 (LLaDA2.2)
     canvas: bool = False  # decodes canvases, not blocks (fluxlab/models/diffusion_gemma/engine.py)
+    fp8_weights: bool = False  # its loader reads model.quantization=fp8 (docs/quantization.md)
     # config.json key -> run-config key, set from a checkpoint folder unless the user sets it
     carry: Mapping[str, str] = field(default_factory=dict)
     # decoders of its own (name -> "module:Class"), beside the block decoders of fluxlab/engine/decoding/
@@ -68,15 +69,16 @@ class Family:
 LLADA2 = Family("llada2", "LLaDA2.0/2.1", "llada2_moe", ("LLaDA2MoeModelLM",), group="llada2_mini",
                 decoding="threshold",
                 presets=("tiny", "small", "llada2_mini", "llada2_flash", "llada21_mini", "llada21_flash"),
-                package="fluxlab.models.llada2", tiny_presets=("tiny",), parallel=True)
+                package="fluxlab.models.llada2", tiny_presets=("tiny",), parallel=True, fp8_weights=True)
 LLADA22 = Family("llada22", "LLaDA2.2", "llada2_moe", ("LLaDA2MoeModelLM",), group="llada22_mini",
                  decoding="threshold", presets=("tiny_llada22", "llada22_mini", "llada22_flash"),
-                 package="fluxlab.models.llada2", tiny_presets=("tiny_llada22",), parallel=True, block_routing=True)
+                 package="fluxlab.models.llada2", tiny_presets=("tiny_llada22",), parallel=True, block_routing=True,
+                 fp8_weights=True)
 DIFFUSION_GEMMA = Family("diffusion_gemma", "Diffusion-Gemma", "diffusion_gemma", ("DiffusionGemmaForBlockDiffusion",),
                          group="diffusion_gemma", decoding="canvas",
                          presets=("tiny_diffusion_gemma", "diffusion_gemma_26b_a4b"),
                          package="fluxlab.models.diffusion_gemma", engine="fluxlab.models.diffusion_gemma.engine:CanvasEngine",
-                         tiny_presets=("tiny_diffusion_gemma",), canvas=True,
+                         tiny_presets=("tiny_diffusion_gemma",), canvas=True, fp8_weights=True,
                          carry={"canvas_length": "decoding.canvas_length"},
                          decoders={"canvas": "fluxlab.models.diffusion_gemma.decoding:Canvas"},
                          knobs=("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
