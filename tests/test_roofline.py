@@ -90,3 +90,10 @@ def test_floors_read_a_dense_family_without_shared_experts():
     kv = 512 * 36 * 2 * 8 * 128 * 2
     assert f["memory_ms"] == pytest.approx(1e3 * (2 * params + kv) / 4.0e12)
     assert sum(stages.values()) == pytest.approx(f["memory_ms"], rel=1e-9)
+
+
+def test_fp8_pages_halve_the_kv_share_of_the_floors(mini):
+    two, one = decode_floor(mini, 64, 32, 4096, CEILINGS), decode_floor(mini, 64, 32, 4096, CEILINGS, kv_bytes=1)
+    kv = 64 * 4096 * mini.num_hidden_layers * 2 * mini.num_key_value_heads * mini.head_dim  # values read
+    assert two["memory_ms"] - one["memory_ms"] == pytest.approx(1e3 * kv / 4.0e12)
+    assert two["serial_stages_ms"]["attention"] > one["serial_stages_ms"]["attention"]

@@ -2,8 +2,8 @@
 # e4m3 pages against sdpa, the fused K/V write into FP8 pages, triton = sdpa tokens at fp32 and graphs = eager), then
 # LLaDA2.0-mini's decode forward against the roofline with auto (bf16) pages and with e4m3 pages, the same variants
 # and batches: VARIANTS (default triton+graph; FP8 pages are read by sdpa and triton only), BATCH_SIZES (default 1,64).
-# Writes $OUT/pytest.log, $OUT/roofline_auto.json and $OUT/roofline_fp8_e4m3.json. The roofline's floor counts KV
-# bytes at two a value for both: the FP8 row's KV share of the floor is half what it prints.
+# Writes $OUT/pytest.log, $OUT/roofline_auto.json and $OUT/roofline_fp8_e4m3.json. The roofline's floors count a
+# cached value at one byte for the fp8_e4m3 pages, two for auto.
 timeout 150 python3 -m pytest -q -m gpu tests/test_kv_fp8.py -p no:cacheprovider > $OUT/pytest.log 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed|Error" $OUT/pytest.log | tail -8
 for kv in auto fp8_e4m3; do

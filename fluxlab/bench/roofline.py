@@ -41,10 +41,11 @@ def measure_ceilings() -> dict:
     return {"hbm_bytes_per_s": ceilings["copy_bytes_per_s"], "bf16_flops_per_s": ceilings["bf16_flops_per_s"]}
 
 
-def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict) -> dict:
+def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict, kv_bytes: int = 2) -> dict:
     """Bytes a decode forward must read (weights it touches + cached K/V) and FLOPs it must do:
     floor_ms is the larger of the two times (issue 7's floor), serial_floor_ms the stages' floors
-    in sequence (`serial_floor`) with the masked half of the block's rows through the lm_head."""
+    in sequence (`serial_floor`) with the masked half of the block's rows through the lm_head. kv_bytes: a
+    cached K or V value's size (1 for model.kv_cache_dtype=fp8_e4m3)."""
     c = config
     h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     attn = h * (heads + 2 * kv) * d + heads * d * h
@@ -57,17 +58,17 @@ def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: 
     hit = experts_hit(c, tokens)
     weight_params = (c.num_hidden_layers * attn + dense_layers * dense_mlp
                      + moe_layers * (shared + hit * expert + h * c.num_experts) + c.vocab_size * h)
-    kv_bytes = batch * context_tokens * c.num_hidden_layers * 2 * kv * d * 2
+    kv_read = batch * context_tokens * c.num_hidden_layers * 2 * kv * d * kv_bytes
     active = (c.num_hidden_layers * attn + dense_layers * dense_mlp
               + moe_layers * (shared + c.num_experts_per_tok * expert) + c.vocab_size * h)
     flops = 2 * active * tokens + 4 * batch * block * context_tokens * heads * d * c.num_hidden_layers
-    memory_s = (2 * weight_params + kv_bytes) / ceilings["hbm_bytes_per_s"]
+    memory_s = (2 * weight_params + kv_read) / ceilings["hbm_bytes_per_s"]
     compute_s = flops / ceilings["bf16_flops_per_s"]
     # decoding.steps fixed: the decode forwards of a block see block - k * block / steps masks,
     # k = 1 .. steps - 1, block / 2 on average (the first step runs in the commit forward)
-    serial = serial_floor(c, batch, block, batch * block // 2, context_tokens, ceilings)
+    serial = serial_floor(c, batch, block, batch * block // 2, context_tokens, ceilings, kv_bytes)
     # the commit forward: the finished block (K/V only, no logits) and the next block's first step
-    commit = serial_floor(c, batch, 2 * block, batch * block, context_tokens, ceilings)
+    commit = serial_floor(c, batch, 2 * block, batch * block, context_tokens, ceilings, kv_bytes)
     return {"floor_ms": 1e3 * max(memory_s, compute_s), "memory_ms": 1e3 * memory_s, "compute_ms": 1e3 * compute_s,
             "serial_floor_ms": sum(serial.values()), "serial_stages_ms": serial,
             "commit_serial_floor_ms": sum(commit.values())}
@@ -87,8 +88,8 @@ def _shared_experts(config) -> int:
     return getattr(config, "num_shared_experts", 0) or 0
 
 
-def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens: float, ceilings: dict
-                 ) -> dict[str, float]:
+def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens: float, ceilings: dict,
+                 kv_bytes: int = 2) -> dict[str, float]:
     """ms per stage of a forward whose stages run one after another, each at the larger of its
     weight-streaming time and its FLOP time: a layer's experts wait for its attention, the next
     layer for its experts, so a memory-bound stage cannot hide a compute-bound one. batch requests
@@ -106,11 +107,11 @@ def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens:
     def dense(params: int, rows_in: int, count: int) -> float:  # a bf16 GEMM over rows_in rows, count times
         return 1e3 * count * max(2 * params / bw, 2 * params * rows_in / peak)
 
-    kv_bytes = batch * context_tokens * 2 * kv * d * 2
+    kv_read = batch * context_tokens * 2 * kv * d * kv_bytes
     attention_flops = 4 * tokens * context_tokens * heads * d
     return {
         "attention projections": dense(h * (heads + 2 * kv) * d + heads * d * h, tokens, layers),
-        "attention": 1e3 * layers * max(kv_bytes / bw, attention_flops / peak),
+        "attention": 1e3 * layers * max(kv_read / bw, attention_flops / peak),
         "dense mlp": dense(3 * h * c.intermediate_size, tokens, layers - moe_layers),
         "router + shared experts": dense(h * c.num_experts + expert * _shared_experts(c), tokens, moe_layers),
         "routed experts": 1e3 * moe_layers * max(2 * experts_hit(c, tokens) * expert / bw,
@@ -327,7 +328,8 @@ def main() -> None:
             for bs in sizes:
                 stats = run_batch(run_engine, prompts[:bs], args.max_new_tokens, args.steps)
                 context = mean_prompt + args.max_new_tokens / 2
-                floor = decode_floor(run_engine.model_config, bs, args.block, context, ceilings)
+                floor = decode_floor(run_engine.model_config, bs, args.block, context, ceilings,
+                                     kv_bytes=1 if args.kv_cache_dtype == "fp8_e4m3" else 2)
                 row = {"variant": variant, "batch": bs, "tp": tp, **stats, **floor}
                 row["ratio"] = row["decode_ms_median"] / floor["floor_ms"] if row["decode_ms_median"] else None
                 # one block: steps - 1 decode forwards and the commit forward that starts it
