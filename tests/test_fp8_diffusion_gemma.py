@@ -117,6 +117,22 @@ def test_the_engine_serves_fp8_quantized_at_load_and_from_an_fp8_checkpoint(tiny
     assert [r.token_ids for r in from_file.generate([p for p, _, _ in cases], params)] == want
 
 
+def test_fp8_tokens_of_a_request_alone_equal_its_tokens_in_a_batch_through_the_engine(tiny, one_thread):
+    """CPU engine, 8 requests at 4 seats (batches change as requests finish and others come in): each one's
+    tokens equal its tokens alone. The paged sdpa runs each row over its own keys on CPU; over a key axis
+    padded to the batch, an ulp moved before a quantization moved an e4m3 code and so a sampled token."""
+    from fluxlab import LLM
+    from fluxlab.engine.request import SamplingParams
+
+    llm = LLM(overrides=BASE + ["model=tiny_diffusion_gemma", f"model.path={tiny}", "model.quantization=fp8"])
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 2, 3, 6, 9, 14, 21, 30)]
+    params = [SamplingParams(max_new_tokens=m, seed=i) for i, m in enumerate((5, 8, 20, 8, 12, 3, 16, 9))]
+    batched = [r.token_ids for r in llm.generate(prompts, params)]
+    assert [llm.generate([p], [s])[0].token_ids for p, s in zip(prompts, params)] == batched
+
+
 def test_fp8_config_is_accepted_for_diffusion_gemma_and_tp_still_refused():
     from fluxlab.config import ConfigError, compose, validate_config
 

@@ -206,10 +206,13 @@ class PagedCanvasAttention:
         keys = torch.cat([k[meta.canvas_gather], prefix_k], dim=1)  # [R, L + K, Hkv, D]
         values = torch.cat([v[meta.canvas_gather], prefix_v], dim=1)
         queries = q[meta.query_gather]  # [R, Q, H, D]
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.masks[sliding], scale=1.0, enable_gqa=True)
-        return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.query_scatter]
+        if q.device.type == "cpu":
+            out = _each_row_alone(queries, keys, values, meta.masks[sliding], meta.geometry[sliding])
+        else:
+            out = F.scaled_dot_product_attention(
+                queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=meta.masks[sliding], scale=1.0, enable_gqa=True).transpose(1, 2)
+        return out.reshape(-1, q.shape[1], q.shape[2])[meta.query_scatter]
 
     def _kernel_forward(self, meta: CanvasAttentionMetadata, sliding: bool, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
@@ -227,3 +230,22 @@ class PagedCanvasAttention:
             cache_k[meta.write_slots] = k[meta.write_tokens]
             cache_v[meta.write_slots] = v[meta.write_tokens]
         return out
+
+
+def _each_row_alone(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    geometry: torch.Tensor) -> torch.Tensor:
+    """CPU: each row's sdpa over the keys and queries it would have alone ([R, Q, H, D] out, padding rows
+    zero). Torch's CPU kernel picks its key blocks by the key axis's length, so a key axis padded to the
+    batch's longest prefix rounds a row otherwise than alone: an ulp that FP8 activation quantization can
+    turn into another sampled token."""
+    out = queries.new_zeros(queries.shape)
+    num_keys, _, num_queries, first = geometry.tolist()
+    canvas = keys.shape[1] - max(max(k - f for k, f in zip(num_keys, first)), 1)  # keys: canvas, then padded prefix
+    for r, (k, q, f) in enumerate(zip(num_keys, num_queries, first)):
+        if q == 0:
+            continue
+        n = canvas + max(k - f, 1)  # as build_canvas_metadata pads a batch of this row alone
+        out[r, :q] = F.scaled_dot_product_attention(
+            queries[r:r + 1, :q].transpose(1, 2), keys[r:r + 1, :n].transpose(1, 2), values[r:r + 1, :n].transpose(1, 2),
+            attn_mask=mask[r:r + 1, :, :q, :n], scale=1.0, enable_gqa=True).transpose(1, 2)[0]
+    return out
