@@ -97,3 +97,18 @@ def test_fp8_pages_halve_the_kv_share_of_the_floors(mini):
     kv = 64 * 4096 * mini.num_hidden_layers * 2 * mini.num_key_value_heads * mini.head_dim  # values read
     assert two["memory_ms"] - one["memory_ms"] == pytest.approx(1e3 * kv / 4.0e12)
     assert two["serial_stages_ms"]["attention"] > one["serial_stages_ms"]["attention"]
+
+
+def test_fp8_weights_halve_the_quantized_bytes_and_double_their_rate(mini):
+    bf16, fp8 = serial_floor(mini, 1, 1, 1, 300, CEILINGS), serial_floor(mini, 1, 1, 1, 300, CEILINGS, fp8_weights=True)
+    # batch 1 streams weights: the experts' and projections' bytes halve, the router and lm_head stay bf16
+    assert fp8["routed experts"] == pytest.approx(bf16["routed experts"] / 2)
+    assert fp8["attention projections"] == pytest.approx(bf16["attention projections"] / 2)
+    assert fp8["lm head"] == bf16["lm head"]
+    # batch 64 x 32 rows: the projections are compute-bound; e4m3 MMAs at twice the rate halve them too
+    big, big8 = (serial_floor(mini, 64, 32, 1024, 300, CEILINGS, fp8_weights=q) for q in (False, True))
+    assert big8["attention projections"] == pytest.approx(big["attention projections"] / 2)
+    f, f8 = decode_floor(mini, 1, 32, 300, CEILINGS), decode_floor(mini, 1, 32, 300, CEILINGS, fp8_weights=True)
+    plain = 2 * (19 * H * 256 + V * H)  # router + lm_head bytes
+    assert f8["memory_ms"] == pytest.approx((f["memory_ms"] - 1e3 * plain / 4.0e12) / 2 + 1e3 * plain / 4.0e12,
+                                            rel=0.02)  # the K/V bytes (small here) do not halve

@@ -41,11 +41,14 @@ def measure_ceilings() -> dict:
     return {"hbm_bytes_per_s": ceilings["copy_bytes_per_s"], "bf16_flops_per_s": ceilings["bf16_flops_per_s"]}
 
 
-def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict, kv_bytes: int = 2) -> dict:
+def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: dict, kv_bytes: int = 2,
+                 fp8_weights: bool = False) -> dict:
     """Bytes a decode forward must read (weights it touches + cached K/V) and FLOPs it must do:
     floor_ms is the larger of the two times (issue 7's floor), serial_floor_ms the stages' floors
     in sequence (`serial_floor`) with the masked half of the block's rows through the lm_head. kv_bytes: a
-    cached K or V value's size (1 for model.kv_cache_dtype=fp8_e4m3)."""
+    cached K or V value's size (1 for model.kv_cache_dtype=fp8_e4m3). fp8_weights (model.quantization=fp8):
+    the projections' and experts' weights at one byte and their products at twice the bf16 rate (e4m3 MMAs);
+    the router and the lm_head stay bf16."""
     c = config
     h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     attn = h * (heads + 2 * kv) * d + heads * d * h
@@ -56,19 +59,22 @@ def decode_floor(config, batch: int, block: int, context_tokens: int, ceilings: 
     dense_layers = c.num_hidden_layers - moe_layers
     tokens = batch * block
     hit = experts_hit(c, tokens)
-    weight_params = (c.num_hidden_layers * attn + dense_layers * dense_mlp
-                     + moe_layers * (shared + hit * expert + h * c.num_experts) + c.vocab_size * h)
+    quantized_read = c.num_hidden_layers * attn + dense_layers * dense_mlp + moe_layers * (shared + hit * expert)
+    plain_read = moe_layers * h * c.num_experts + c.vocab_size * h
+    quantized_active = (c.num_hidden_layers * attn + dense_layers * dense_mlp
+                        + moe_layers * (shared + c.num_experts_per_tok * expert))
+    plain_active = moe_layers * h * c.num_experts + c.vocab_size * h
     kv_read = batch * context_tokens * c.num_hidden_layers * 2 * kv * d * kv_bytes
-    active = (c.num_hidden_layers * attn + dense_layers * dense_mlp
-              + moe_layers * (shared + c.num_experts_per_tok * expert) + c.vocab_size * h)
-    flops = 2 * active * tokens + 4 * batch * block * context_tokens * heads * d * c.num_hidden_layers
-    memory_s = (2 * weight_params + kv_read) / ceilings["hbm_bytes_per_s"]
-    compute_s = flops / ceilings["bf16_flops_per_s"]
+    weight_bytes, speedup = (1, 2) if fp8_weights else (2, 1)
+    attention_flops = 4 * batch * block * context_tokens * heads * d * c.num_hidden_layers
+    memory_s = (weight_bytes * quantized_read + 2 * plain_read + kv_read) / ceilings["hbm_bytes_per_s"]
+    compute_s = (2 * quantized_active * tokens / speedup + 2 * plain_active * tokens
+                 + attention_flops) / ceilings["bf16_flops_per_s"]
     # decoding.steps fixed: the decode forwards of a block see block - k * block / steps masks,
     # k = 1 .. steps - 1, block / 2 on average (the first step runs in the commit forward)
-    serial = serial_floor(c, batch, block, batch * block // 2, context_tokens, ceilings, kv_bytes)
+    serial = serial_floor(c, batch, block, batch * block // 2, context_tokens, ceilings, kv_bytes, fp8_weights)
     # the commit forward: the finished block (K/V only, no logits) and the next block's first step
-    commit = serial_floor(c, batch, 2 * block, batch * block, context_tokens, ceilings, kv_bytes)
+    commit = serial_floor(c, batch, 2 * block, batch * block, context_tokens, ceilings, kv_bytes, fp8_weights)
     return {"floor_ms": 1e3 * max(memory_s, compute_s), "memory_ms": 1e3 * memory_s, "compute_ms": 1e3 * compute_s,
             "serial_floor_ms": sum(serial.values()), "serial_stages_ms": serial,
             "commit_serial_floor_ms": sum(commit.values())}
@@ -89,13 +95,14 @@ def _shared_experts(config) -> int:
 
 
 def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens: float, ceilings: dict,
-                 kv_bytes: int = 2) -> dict[str, float]:
+                 kv_bytes: int = 2, fp8_weights: bool = False) -> dict[str, float]:
     """ms per stage of a forward whose stages run one after another, each at the larger of its
     weight-streaming time and its FLOP time: a layer's experts wait for its attention, the next
     layer for its experts, so a memory-bound stage cannot hide a compute-bound one. batch requests
     of `rows` rows each through the layers, each attending to context_tokens cached keys;
     logit_rows rows in all through the lm_head. Activation traffic (norms, the experts' combine,
-    the logits) is left out: a lower bound on the forward, tighter than `decode_floor`'s max."""
+    the logits) is left out: a lower bound on the forward, tighter than `decode_floor`'s max.
+    kv_bytes and fp8_weights as in `decode_floor`."""
     c = config
     bw, peak = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
     h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -103,20 +110,24 @@ def serial_floor(config, batch: int, rows: int, logit_rows: int, context_tokens:
     moe_layers = sum(c.is_moe_layer(i) for i in range(layers))
     expert = 3 * h * c.moe_intermediate_size
     tokens = batch * rows
+    weight_bytes, rate = (1, 2 * peak) if fp8_weights else (2, peak)
 
-    def dense(params: int, rows_in: int, count: int) -> float:  # a bf16 GEMM over rows_in rows, count times
-        return 1e3 * count * max(2 * params / bw, 2 * params * rows_in / peak)
+    def gemm(params: int, rows_in: int, count: int, quantized: bool = True) -> float:  # rows_in rows, count times
+        if not quantized:
+            return 1e3 * count * max(2 * params / bw, 2 * params * rows_in / peak)
+        return 1e3 * count * max(weight_bytes * params / bw, 2 * params * rows_in / rate)
 
     kv_read = batch * context_tokens * 2 * kv * d * kv_bytes
     attention_flops = 4 * tokens * context_tokens * heads * d
     return {
-        "attention projections": dense(h * (heads + 2 * kv) * d + heads * d * h, tokens, layers),
+        "attention projections": gemm(h * (heads + 2 * kv) * d + heads * d * h, tokens, layers),
         "attention": 1e3 * layers * max(kv_read / bw, attention_flops / peak),
-        "dense mlp": dense(3 * h * c.intermediate_size, tokens, layers - moe_layers),
-        "router + shared experts": dense(h * c.num_experts + expert * _shared_experts(c), tokens, moe_layers),
-        "routed experts": 1e3 * moe_layers * max(2 * experts_hit(c, tokens) * expert / bw,
-                                                 2 * expert * tokens * c.num_experts_per_tok / peak),
-        "lm head": dense(c.vocab_size * h, logit_rows, 1),
+        "dense mlp": gemm(3 * h * c.intermediate_size, tokens, layers - moe_layers),
+        "router + shared experts": (gemm(h * c.num_experts, tokens, moe_layers, quantized=False)
+                                    + gemm(expert * _shared_experts(c), tokens, moe_layers)),
+        "routed experts": 1e3 * moe_layers * max(weight_bytes * experts_hit(c, tokens) * expert / bw,
+                                                 2 * expert * tokens * c.num_experts_per_tok / rate),
+        "lm head": gemm(c.vocab_size * h, logit_rows, 1, quantized=False),
     }
 
 
@@ -329,7 +340,8 @@ def main() -> None:
                 stats = run_batch(run_engine, prompts[:bs], args.max_new_tokens, args.steps)
                 context = mean_prompt + args.max_new_tokens / 2
                 floor = decode_floor(run_engine.model_config, bs, args.block, context, ceilings,
-                                     kv_bytes=1 if args.kv_cache_dtype == "fp8_e4m3" else 2)
+                                     kv_bytes=1 if args.kv_cache_dtype == "fp8_e4m3" else 2,
+                                     fp8_weights=args.quantization == "fp8")
                 row = {"variant": variant, "batch": bs, "tp": tp, **stats, **floor}
                 row["ratio"] = row["decode_ms_median"] / floor["floor_ms"] if row["decode_ms_median"] else None
                 # one block: steps - 1 decode forwards and the commit forward that starts it
