@@ -45,3 +45,19 @@ def gpu_packages(monkeypatch):
     has neither; the tests that refuse a missing package patch these back)."""
     monkeypatch.setattr("fluxlab.config.validate._flashinfer_installed", lambda: True)
     monkeypatch.setattr("fluxlab.config.validate._fa4_installed", lambda: True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (minutes each: accuracy over every held-out problem, "
+                          "the interpreted graph path); `make test` leaves them out to keep the suite near 10 minutes")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with `pytest --slow` (make test ARGS=--slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+

@@ -233,8 +233,9 @@ def test_canvas_attention_matches_torch_and_is_batch_invariant_interpreter(monke
 
 
 @needs_triton
-@pytest.mark.parametrize("path", ["eager", "static"])
+@pytest.mark.parametrize("path", ["eager", pytest.param("static", marks=pytest.mark.slow)])
 def test_engine_with_the_kernel_gives_transformers_tokens_interpreter(monkeypatch, path):
+    """static (the graph path, ~90 s interpreted) runs with --slow; on a GPU the graph test below runs it."""
     monkeypatch.setenv(CHECKS, path)
     run_interpreter_checks(__file__)
 
