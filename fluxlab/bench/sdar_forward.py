@@ -94,7 +94,7 @@ def main() -> None:
         ids = torch.randint(0, config.vocab_size, (tokens,), device=device)
         pos = (args.context + torch.arange(args.block, device=device)).repeat(batch)
 
-        def forward():
+        def forward(attn=attn):  # bound now: `del attn` below frees this batch's cache before the next
             return model.compute_logits(model(ids, pos, attn), fp32=False)
 
         with torch.inference_mode():
@@ -112,8 +112,8 @@ def main() -> None:
         rows.append({"batch": batch, "eager_ms": eager, "graph_ms": graphed, **f})
         del attn, graph
         torch.cuda.empty_cache()
-    result = {"ceilings": ceilings, "preset": args.preset, "block": args.block, "context": args.context, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "rows": rows}
+    result = {"ceilings": ceilings, "preset": args.preset, "block": args.block, "context": args.context,
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "sdar_forward.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"{args.preset} block {args.block}, {args.context} cached tokens a row, {result['gpu']}")
