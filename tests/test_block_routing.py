@@ -225,7 +225,7 @@ def test_tiny_llada22_under_tp_and_ep_gives_the_tp1_tokens(llada22, layout):
 
     path = llada22[0]
     base = ["engine.dtype=float32", "engine.device=cpu", "decoding.block_length=16", "model.max_model_len=128",
-            "model.max_new_tokens=64", "scheduler.max_num_seqs=2", "scheduler.max_scheduled_tokens=64", "parallel.startup_timeout_s=60"]
+            "model.max_new_tokens=64", "scheduler.max_num_seqs=2", "scheduler.max_scheduled_tokens=64", "parallel.startup_timeout_s=300"]
     prompts = ["The ducks at the market", "Let us think step by step about"]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     tp1 = LLM(model=str(path), overrides=base)

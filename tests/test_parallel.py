@@ -22,7 +22,7 @@ from fluxlab.llm import LLM
 
 BL = 16
 BASE = ["model=tiny_llada2", "engine.dtype=float32", "engine.device=cpu", f"decoding.block_length={BL}", "model.max_model_len=256",
-        "scheduler.max_num_seqs=4", "scheduler.max_scheduled_tokens=128", "parallel.startup_timeout_s=60"]
+        "scheduler.max_num_seqs=4", "scheduler.max_scheduled_tokens=128", "parallel.startup_timeout_s=300"]
 PROMPTS = ["Janet has 16 eggs. She eats three for breakfast and", "The ducks at the market", "Let us think"]
 PARAMS = SamplingParams(max_new_tokens=32, temperature=0.0)
 
