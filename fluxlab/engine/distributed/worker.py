@@ -38,6 +38,11 @@ def init_distributed(cfg, rank: int, port: int):
     timeout = timedelta(seconds=float(par.startup_timeout_s))
     if par.distributed_backend == "nccl":
         torch.cuda.set_device(torch.device(cfg.engine.device))
+    if not dist.is_initialized():
+        # An earlier start in this process that failed part-way (a rank died during startup) advanced
+        # torch's group counter without a destroy to reset it: this rank would name the default group
+        # "1" while fresh workers name it "0", and the rendezvous would wait on keys nobody writes.
+        dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(par.distributed_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=par.tp_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
