@@ -314,14 +314,15 @@ def validate_config(cfg: DictConfig, cuda_available: Optional[bool] = None) -> l
                "use attention=flashinfer or attention=sdpa")
         _check(attn.cuda_graph_decode_mode in ("padded", "decomposed"),
                f"attention.cuda_graph_decode_mode={attn.cuda_graph_decode_mode!r}: use padded or decomposed")
+        # the reference system's --use-cuda-graph: an alias of use_decode_cuda_graph, named in the messages
+        graph_keys = "attention.use_decode_cuda_graph/use_prefill_cuda_graph"
         if attn.use_cuda_graph:
             attn.use_decode_cuda_graph = True
+            graph_keys = "attention.use_cuda_graph (= use_decode_cuda_graph)"
         graphs = attn.use_decode_cuda_graph or attn.use_prefill_cuda_graph
-        _check(not graphs or on_cuda,
-               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need a CUDA device (engine.device={eng.device})")
+        _check(not graphs or on_cuda, f"{graph_keys} need a CUDA device (engine.device={eng.device})")
         _check(not graphs or attn.backend in GRAPH_BACKENDS or family.canvas,
-               f"attention.use_decode_cuda_graph/use_prefill_cuda_graph need attention.backend={', '.join(GRAPH_BACKENDS)} "
-               f"(got {attn.backend})")
+               f"{graph_keys} need attention.backend={', '.join(GRAPH_BACKENDS)} (got {attn.backend})")
         # Graph-size keys are read only by the graphs they size: set without those graphs, refuse.
         # (Derived values are filled in only where read, so a resolved config validates again.)
         _check(attn.cuda_graph_capture_bs is None or attn.use_decode_cuda_graph,
