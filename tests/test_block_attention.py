@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from backend_helpers import graph_replays_and_eager, random_rows  # noqa: E402
+from backend_helpers import fused_and_unfused_writes, graph_replays_and_eager, random_rows  # noqa: E402
 from triton_helpers import run_interpreter_checks  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -56,53 +56,6 @@ def compare_with_sdpa(device: torch.device, dtype: torch.dtype, bl: int, heads: 
         got = backend.forward(0, q, k, v)
     assert torch.equal(caches[0].k[0, :num_pages], caches[1].k[0, :num_pages])  # K/V written as sdpa writes them
     return got, want
-
-
-def fused_and_unfused_writes(device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """[(output, K pool, V pool)] of one LLaDA2 attention layer over random paged rows with the fused
-    QK-norm + RoPE: first writing K/V straight to the triton backend's slot rows (PagedBackend.kv_rows +
-    attend), then through the same backend hidden behind a plain `forward` (k, v out, then the
-    backend's index_put write). use_fused is forced on, so this runs on CPU under the interpreter too."""
-    from unittest import mock
-
-    from fluxlab.engine.layers.attention import KVCache, build_metadata
-    from fluxlab.engine.layers.attention_triton import TritonAttention
-    from fluxlab.engine.layers.rotary import PartialRotary
-    from fluxlab.engine.layers.segments import Segments
-    from fluxlab.models.llada2 import model as llada2_moe
-    from fluxlab.models.llada2.model import LLaDA2MoeAttention, LLaDA2MoeConfig
-
-    class Forward:  # the backend without kv_rows/attend: the model takes the qk_norm_rope + forward path
-        def __init__(self, backend):
-            self.backend = backend
-
-        def forward(self, *args):
-            return self.backend.forward(*args)
-
-    bl, num_pages = 16, 24
-    c = LLaDA2MoeConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-    gen = torch.Generator().manual_seed(seed)
-    layer = LLaDA2MoeAttention(c, 0, dtype, device)
-    with torch.no_grad():
-        for prm in layer.parameters():
-            prm.copy_((1 + 0.1 * torch.randn(prm.shape, generator=gen)) if prm.dim() == 1
-                      else torch.randn(prm.shape, generator=gen) * prm.shape[-1] ** -0.5)
-    rows = random_rows(5, num_pages, random.Random(seed), max_blocks=3)
-    segments = Segments.of_rows(rows)
-    n = sum(r[1] for r in rows) * bl
-    x = torch.randn(n, c.hidden_size, generator=gen).to(device, dtype)
-    rope = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, 4096).to(device)
-    cos, sin = rope.cos_sin(torch.from_numpy(segments.slot_mapping(bl) % 4096).to(device), dtype)
-    results = []
-    for wrap in (False, True):
-        cache = KVCache(1, num_pages, bl, c.num_key_value_heads, c.head_dim, dtype, device)
-        backend = TritonAttention(cache, device, num_qo_heads=c.num_attention_heads, head_dim=c.head_dim,
-                                  max_blocks_per_seq=8)
-        backend.begin(build_metadata(segments, bl, device, dense=False))
-        with mock.patch.object(llada2_moe, "use_fused", lambda t: True):
-            out = layer(x, (cos[:, None, :], sin[:, None, :]), Forward(backend) if wrap else backend)
-        results.append((out, cache.k.clone(), cache.v.clone()))
-    return results
 
 
 def _interpreter_checks() -> None:

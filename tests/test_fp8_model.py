@@ -2,6 +2,8 @@
 checkpoints in the DeepSeek/Qwen3 layout, and the embedded model's accuracy beside bf16 (CPU path,
 through `bench sweep=fp8` and `report`)."""
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ from fluxlab.config.paths import ASSETS_DIR
 from fluxlab.engine.layers.fp8 import FP8_DTYPE
 from fluxlab.engine.layers.quantization import Fp8Linear, Fp8StackedExperts, fp8_checkpoint, fp8_structure_, quantize_model_
 from fluxlab.models.llada2.fp8_checkpoint import load_fp8_weights, write_fp8_checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_helpers import sweep_report_table  # noqa: E402
 
 MODEL_DIR = ASSETS_DIR / "arith_llada2"
 
@@ -104,21 +109,7 @@ def test_fp8_answers_the_held_out_problems_as_bf16_does(tmp_path):
     """Issue 38 item 3 on the CPU path, as a user measures it (`bench sweep=fp8`, then `report`): all
     128 held-out problems, >= 126 right and >= 99% of bf16's tokens (measured 2026-12-03: bf16 127,
     fp8 127, agreement 0.9993)."""
-    import os
-    import subprocess
-    import sys
-
-    import pandas as pd
-
-    from fluxlab.bench.report import write_report
-    from fluxlab.config import compose
-
-    env = {**os.environ, "FLUXLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "fluxlab", "bench", "sweep=fp8", "bench.disable_progress=true"],
-                   cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600)
-    report = write_report(compose("report", [f"tracking.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-                                             f"out_dir={tmp_path / 'reports'}"]))
-    table = pd.read_csv(os.path.join(os.path.dirname(report), "runs.csv")).set_index("model.quantization")
+    table = sweep_report_table(tmp_path, "fp8", "model.quantization")
     assert table.loc["none", "token_agreement"] == 1.0 and table.loc["none", "right"].endswith("/128"), table
     right, problems = map(int, table.loc["fp8", "right"].split("/"))
     assert problems == 128 and right >= 126, table

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from backend_helpers import random_rows  # noqa: E402
+from backend_helpers import fused_and_unfused_writes, random_rows  # noqa: E402
+from sweep_helpers import sweep_report_table  # noqa: E402
 from triton_helpers import run_interpreter_checks  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -214,19 +215,7 @@ def test_fp8_pages_answer_the_held_out_problems_as_model_dtype_pages_do(tmp_path
     """All 128 held-out problems as a user measures them (`bench sweep=kv_fp8`, then `report`): >= 124
     right and >= 99% of the bf16 pages' tokens (measured 2026-12-03 on CPU: auto 127, fp8_e4m3 125,
     agreement 0.9982)."""
-    import subprocess
-
-    import pandas as pd
-
-    from fluxlab.bench.report import write_report
-    from fluxlab.config import compose
-
-    env = {**os.environ, "FLUXLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "fluxlab", "bench", "sweep=kv_fp8", "bench.disable_progress=true"],
-                   cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600)
-    report = write_report(compose("report", [f"tracking.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-                                             f"out_dir={tmp_path / 'reports'}"]))
-    table = pd.read_csv(os.path.join(os.path.dirname(report), "runs.csv")).set_index("model.kv_cache_dtype")
+    table = sweep_report_table(tmp_path, "kv_fp8", "model.kv_cache_dtype")
     assert table.loc["auto", "token_agreement"] == 1.0 and table.loc["auto", "right"].endswith("/128"), table
     right, problems = map(int, table.loc["fp8_e4m3", "right"].split("/"))
     assert problems == 128 and right >= 124, table
@@ -276,51 +265,12 @@ def kernel_and_sdpa(device: torch.device, dtype: torch.dtype, bl: int, heads: in
 
 
 def fused_and_unfused_fp8_writes(device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """[(output, K pool bytes, V pool bytes)] of one LLaDA2 attention layer over FP8 pages with the fused
-    QK-norm + RoPE forced on: writing to the backend's kv_rows (staging, quantized by attend), then through
-    the backend's plain forward (k, v out, then the backend's quantizing write)."""
-    from unittest import mock
-
-    from fluxlab.engine.layers.attention import build_metadata
-    from fluxlab.engine.layers.attention_triton import TritonAttention
+    """backend_helpers.fused_and_unfused_writes over FP8 pages (scales 0.5 / 2.0): the fused QK-norm + RoPE
+    writes to the backend's kv_rows (staging, quantized by attend), then the plain forward's quantizing write."""
     from fluxlab.engine.layers.kv_fp8 import Fp8KVCache
-    from fluxlab.engine.layers.rotary import PartialRotary
-    from fluxlab.engine.layers.segments import Segments
-    from fluxlab.models.llada2 import model as llada2_moe
-    from fluxlab.models.llada2.model import LLaDA2MoeAttention, LLaDA2MoeConfig
 
-    class Forward:  # the backend without kv_rows/attend: the model takes the qk_norm_rope + forward path
-        def __init__(self, backend):
-            self.backend = backend
-
-        def forward(self, *args):
-            return self.backend.forward(*args)
-
-    bl, num_pages = 16, 24
-    c = LLaDA2MoeConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-    gen = torch.Generator().manual_seed(seed)
-    layer = LLaDA2MoeAttention(c, 0, dtype, device)
-    with torch.no_grad():
-        for prm in layer.parameters():
-            prm.copy_((1 + 0.1 * torch.randn(prm.shape, generator=gen)) if prm.dim() == 1
-                      else torch.randn(prm.shape, generator=gen) * prm.shape[-1] ** -0.5)
-    rows = random_rows(5, num_pages, random.Random(seed), max_blocks=3)
-    segments = Segments.of_rows(rows)
-    n = sum(r[1] for r in rows) * bl
-    x = torch.randn(n, c.hidden_size, generator=gen).to(device, dtype)
-    rope = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, 4096).to(device)
-    cos, sin = rope.cos_sin(torch.from_numpy(segments.slot_mapping(bl) % 4096).to(device), dtype)
-    results = []
-    for wrap in (False, True):
-        cache = Fp8KVCache(1, num_pages, bl, c.num_key_value_heads, c.head_dim, dtype, device, k_scales=[0.5],
-                           v_scales=[2.0])
-        backend = TritonAttention(cache, device, num_qo_heads=c.num_attention_heads, head_dim=c.head_dim,
-                                  max_blocks_per_seq=8)
-        backend.begin(build_metadata(segments, bl, device, dense=False))
-        with mock.patch.object(llada2_moe, "use_fused", lambda t: True):
-            out = layer(x, (cos[:, None, :], sin[:, None, :]), Forward(backend) if wrap else backend)
-        results.append((out, cache.k.view(torch.uint8).clone(), cache.v.view(torch.uint8).clone()))
-    return results
+    return fused_and_unfused_writes(device, dtype, seed, lambda kv_heads, head_dim, num_pages, bl: Fp8KVCache(
+        1, num_pages, bl, kv_heads, head_dim, dtype, device, k_scales=[0.5], v_scales=[2.0]))
 
 
 def sdpa_and_triton_fp8_tokens(max_new_tokens: int) -> tuple[list, list]:

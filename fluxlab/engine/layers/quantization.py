@@ -23,7 +23,9 @@ One GPU only for now: the block scales are not cut for tensor or expert parallel
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -163,3 +165,38 @@ def fp8_checkpoint(path) -> bool:
         raise ValueError(f"{config}: quantization_config {q} is not the block-scaled FP8 layout fluxlab reads "
                          f"(quant_method fp8, weight_block_size [{BLOCK}, {BLOCK}])")
     return True
+
+
+@torch.no_grad()
+def write_fp8_folder(src, dst, quantize: Callable[[str, torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]
+                     ) -> Path:
+    """A bf16/fp32 checkpoint folder -> its FP8 twin in one model.safetensors: `quantize(name, tensor)` gives
+    (e4m3, weight_scale_inv), stored as name and name + "_scale_inv", or None to keep the tensor as it is
+    (each family says which of its tensors are quantized, and how). Other files are copied; config.json
+    gains QUANTIZATION_CONFIG."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from fluxlab.engine.weights import safetensor_files
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in safetensor_files(src):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                quantized = quantize(name, t)
+                if quantized is None:
+                    tensors[name] = t.contiguous()
+                else:
+                    tensors[name], tensors[name + "_scale_inv"] = quantized
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for item in src.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
+            shutil.copy(item, dst / item.name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+

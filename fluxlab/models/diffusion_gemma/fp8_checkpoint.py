@@ -23,16 +23,13 @@ refused by the loader's shape check when it is not (the 26B-A4B's I = 704).
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fluxlab.engine.layers.fp8 import quantize_blocks, quantize_stacked
-from fluxlab.engine.layers.quantization import QUANTIZATION_CONFIG, Fp8Linear
-from fluxlab.engine.weights import safetensor_files
+from fluxlab.engine.layers.quantization import Fp8Linear, write_fp8_folder
 from fluxlab.models.diffusion_gemma.layers import Fp8GemmaExperts
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -84,31 +81,13 @@ def fp8_structure_(model: nn.Module) -> nn.Module:
     return model
 
 
-@torch.no_grad()
 def write_fp8_checkpoint(src, dst) -> Path:
     """A bf16/fp32 Diffusion-Gemma checkpoint folder -> the same model as an FP8 checkpoint (module doc);
     the other files (generation_config.json, tokenizer) are copied as they are."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    def quantize(name: str, t: torch.Tensor):
+        kind = quantized_kind(name)
+        if kind is None:
+            return None
+        return quantize_stacked(t, 2) if kind == "stacked" else quantize_blocks(t)
 
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for file in safetensor_files(src):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                kind = quantized_kind(name)
-                if kind is None:
-                    tensors[name] = t.contiguous()
-                else:
-                    q, s = quantize_stacked(t, 2) if kind == "stacked" else quantize_blocks(t)
-                    tensors[name], tensors[name + "_scale_inv"] = q, s
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    for item in src.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
-            shutil.copy(item, dst / item.name)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return write_fp8_folder(src, dst, quantize)

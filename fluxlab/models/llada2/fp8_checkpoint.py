@@ -3,15 +3,13 @@
 bf16/fp32 folder. The FP8 modules and the quantizer are the core's (engine/layers/quantization.py)."""
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fluxlab.engine.layers.fp8 import quantize_blocks
-from fluxlab.engine.layers.quantization import QUANTIZATION_CONFIG
+from fluxlab.engine.layers.quantization import write_fp8_folder
 from fluxlab.engine.weights import safetensor_files
 from fluxlab.models.llada2.loader import _Assigner
 
@@ -66,28 +64,6 @@ def load_fp8_weights(model: nn.Module, path) -> nn.Module:
     return model
 
 
-@torch.no_grad()
 def write_fp8_checkpoint(src, dst) -> Path:
     """A bf16/fp32 LLaDA2 checkpoint folder -> the same model as an FP8 checkpoint (DeepSeek layout)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for file in safetensor_files(src):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if is_quantized_name(name):
-                    tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t)
-                else:
-                    tensors[name] = t.contiguous()
-    save_file(tensors, str(dst / "model.safetensors"))
-    for item in src.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
-            shutil.copy(item, dst / item.name)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return write_fp8_folder(src, dst, lambda name, t: quantize_blocks(t) if is_quantized_name(name) else None)
