@@ -11,7 +11,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   grep -E "^(FAILED|ERROR)|passed|failed|Error" $OUT/pytest.log | tail -8
 fi
 if [ "${KERNELS:-0}" = 1 ]; then
-  timeout 240 python3 benchmarks/device/fp8_kernels.py $OUT/fp8_kernels.json 2>&1 | grep -vi warn | tee $OUT/fp8_kernels.txt
+  timeout ${KTIMEOUT:-240} python3 benchmarks/device/fp8_kernels.py $OUT/fp8_kernels.json 2>&1 | grep -vi warn | tee $OUT/fp8_kernels.txt
 fi
 if [ "${ROOF:-0}" = 1 ]; then
   for q in none fp8; do

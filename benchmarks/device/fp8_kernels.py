@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fluxlab.engine.layers.fp8 import fp8_linear_reference, fp8_moe_reference, quantize_blocks, quantize_stacked
-from fluxlab.kernels.fp8_gemm import fp8_matmul
+from fluxlab.kernels.fp8_gemm import fp8_matmul, quantize_act
 from fluxlab.kernels.fp8_moe import FP8MoEConfig, fp8_fused_moe
 from fluxlab.kernels.fused_moe import fused_moe
 
@@ -71,6 +71,10 @@ def main():
         "m32n128": FP8MoEConfig(BLOCK_M=32),
         "m64n128": FP8MoEConfig(BLOCK_M=64),
         "m64n128w8": FP8MoEConfig(BLOCK_M=64, WARPS1=8, WARPS2=8),
+        "m64n128s4": FP8MoEConfig(BLOCK_M=64, STAGES1=4, STAGES2=4),
+        "m64n256w8": FP8MoEConfig(BLOCK_M=64, BLOCK_N2=256, WARPS2=8),
+        "m128n128w8": FP8MoEConfig(BLOCK_M=128, WARPS1=8, WARPS2=8),
+        "m32n128s4": FP8MoEConfig(BLOCK_M=32, STAGES1=4, STAGES2=4),
     }
     for tokens in (32, 512, 2048):
         x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
@@ -83,6 +87,9 @@ def main():
         ref = fp8_moe_reference(x[:n_ref].cpu(), idx[:n_ref].cpu(), wts[:n_ref].cpu(), wgu.cpu(), sgu.cpu(), wd.cpu(),
                                 sd.cpu())
         bf16_ms = graph_ms(lambda: fused_moe(x, idx, wts, w_gate_up, w_down))
+        q_ms = graph_ms(lambda: quantize_act(x))
+        rows.append(dict(kind="quantize_act", tokens=tokens, variant="fp8", ms=q_ms))
+        print(f"quantize_act T={tokens} [{tokens}, {H}]: {q_ms:.4f} ms", flush=True)
         rows.append(dict(kind="moe", tokens=tokens, variant="bf16 fused_moe (tuned)", ms=bf16_ms, floor=floor_bf16))
         print(f"moe T={tokens} bf16 {bf16_ms:.3f} ms (floor {floor_bf16:.3f}); fp8 floor {floor_fp8:.3f}", flush=True)
         for name, cfg in configs.items():
@@ -99,7 +106,8 @@ def main():
     shapes = {"qkv": (3072, 2048), "dense": (2048, 2048), "shared gate": (512, 2048), "shared down": (2048, 512),
               "mlp0 gate": (5120, 2048), "mlp0 down": (2048, 5120)}
     tiles = {"m64n64s4": (64, 64, 4, 4), "m64n128s3": (64, 128, 4, 3), "m64n32s4": (64, 32, 4, 4),
-             "m128n128w8": (128, 128, 8, 3), "m32n64s4": (32, 64, 4, 4), "m16n64s4": (16, 64, 4, 4)}
+             "m128n128w8": (128, 128, 8, 3), "m32n64s4": (32, 64, 4, 4), "m16n64s4": (16, 64, 4, 4),
+             "m128n64w4": (128, 64, 4, 4), "m64n128w8s4": (64, 128, 8, 4), "m16n128s4": (16, 128, 4, 4)}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
         q, s = quantize_blocks(w)
