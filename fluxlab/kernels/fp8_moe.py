@@ -36,11 +36,16 @@ from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, tr
 
 @dataclasses.dataclass(frozen=True)
 class FP8MoEConfig:
-    BLOCK_M: int = 16     # gate/up: N = I in tiles of 128 (one quantization group), K = H
-    WARPS1: int = 4
+    """One config for every token count: on sm90 a tile of 64+ rows takes wgmma, whose e4m3 products
+    sum otherwise than mma.sync's (below 64 rows), so a per-count choice would change a row's bits with
+    the batch. 64 rows, 8 warps was the fastest single config on the H200 at LLaDA2.0-mini shapes
+    (benchmarks/device/fp8_kernels.py, docs/benchmarks.md "FP8 weights"): faster than the bf16 fused MoE
+    at 32, 512 and 2048 tokens, where 16 rows lost to bf16 at 2048."""
+    BLOCK_M: int = 64     # gate/up: N = I in tiles of 128 (one quantization group), K = H
+    WARPS1: int = 8
     STAGES1: int = 3
     BLOCK_N2: int = 128   # down: N = H, K = I
-    WARPS2: int = 4
+    WARPS2: int = 8
     STAGES2: int = 3
     GROUP_M: int = 8
 
