@@ -17,9 +17,9 @@ with an online softmax. Nothing a program computes depends on another row, on th
 (`prefix_slots` wider than this row's keys) or on where the row's tokens sit in the flat batch; a block
 that a tile skips (past its last causal key, before the window) would only have added exact zeros
 (alpha = 1, p = 0), so which blocks a tile walks changes no bit of a row. Tile sizes come from the head
-dim alone (`CONFIGS`), never from the batch. fp32 inputs use IEEE dots (the interpreter tests compare
-with torch's sdpa to fp32 rounding); bf16 dots accumulate in fp32 with P rounded to bf16 (flash
-attention's numerics). A query that sees no key (a graph's dummy rows only) gets zeros.
+dim alone (`CONFIGS`; smaller, once, where the device refuses them for a dtype), never from the batch.
+fp32 inputs use IEEE dots (the interpreter tests compare with torch's sdpa to fp32 rounding); bf16 dots
+accumulate in fp32 with P rounded to bf16 (flash attention's numerics). A query that sees no key (a graph's dummy rows only) gets zeros.
 CUDA (or TRITON_INTERPRET=1, the tests).
 """
 from __future__ import annotations
@@ -31,12 +31,36 @@ import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _next_pow2, tl, triton
 
+if HAVE_TRITON:
+    from triton.runtime.errors import OutOfResources
+else:
+    OutOfResources = RuntimeError
+
 # (BLOCK_M, BLOCK_N, warps, stages) by padded head dim, never by rows. 26B-A4B: sliding layers 256,
 # full layers 512 (acc [64, 512] fp32 = 128 registers a thread at 8 warps; K and V blocks [32, 512]
 # bf16 = 64 KiB a stage). Not tuned on a GPU yet: FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}'
 # overrides entries for a sweep. A config changes the summation order: pick one, never per batch.
+# fp32 operands take twice the shared memory: on an H200 fp32 at 256 and 512 needs 459 and 271 KiB of
+# the 227 KiB a block may have, so a launch the device refuses steps down (`_smaller`) once per
+# (head dim, dtype, device) and keeps what fitted: still one config per engine, whatever the batch.
 CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2),
                                                  128: (64, 64, 4, 2), 256: (64, 64, 8, 2), 512: (64, 32, 8, 2)}
+
+
+def _smaller(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
+    """The next config to try when `config` does not fit: one stage, then half the key block, then half
+    the query block (16 is tl.dot's least)."""
+    block_m, block_n, warps, stages = config
+    if stages > 1:
+        return block_m, block_n, warps, 1
+    if block_n > 16:
+        return block_m, block_n // 2, warps, 1
+    if block_m > 16:
+        return block_m // 2, block_n, min(warps, 4), 1
+    return None
+
+
+_FITTED: dict[tuple[int, torch.dtype, str], tuple[int, int, int, int]] = {}
 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
@@ -192,19 +216,31 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     rows, max_queries = query_index.shape
     if rows == 0 or tokens == 0:
         return out
-    block_m, block_n, warps, stages = config_for(head_dim)
     padded = max(16, _next_pow2(head_dim))
     canvas_length = canvas_index.shape[1]
     slots = prefix_slots if prefix_slots.shape[1] else torch.zeros(rows, 1, dtype=torch.long, device=q.device)
     num_slots = prefix_slots.shape[1]
     fresh_t = fresh if fresh is not None else slots
-    grid = (triton.cdiv(max_queries, block_m), num_heads, rows)
-    _canvas_attention_kernel[grid](
-        q, k, v, cache_k, cache_v, out, query_index, canvas_index, slots, fresh_t, geometry,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0),
-        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(0), out.stride(1),
-        query_index.stride(0), canvas_index.stride(0), slots.stride(0), fresh_t.stride(0), geometry.stride(0),
-        num_slots, canvas_length, head_dim, num_heads // num_kv_heads, window, scale * 1.4426950408889634,
-        BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=window > 0, HAS_FRESH=fresh is not None,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
-    return out
+    key = (padded, q.dtype, str(q.device))
+    config = _FITTED.get(key) or config_for(head_dim)
+    first_choice = config
+    while True:
+        block_m, block_n, warps, stages = config
+        grid = (triton.cdiv(max_queries, block_m), num_heads, rows)
+        try:
+            _canvas_attention_kernel[grid](
+                q, k, v, cache_k, cache_v, out, query_index, canvas_index, slots, fresh_t, geometry,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0),
+                cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(0), out.stride(1),
+                query_index.stride(0), canvas_index.stride(0), slots.stride(0), fresh_t.stride(0),
+                geometry.stride(0), num_slots, canvas_length, head_dim, num_heads // num_kv_heads, window,
+                scale * 1.4426950408889634, BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=window > 0,
+                HAS_FRESH=fresh is not None, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        except OutOfResources:  # raised before the launch: nothing ran, try the next smaller tiles
+            config = _smaller(config)
+            if config is None:
+                raise
+            continue
+        if config != first_choice:
+            _FITTED[key] = config  # the table's entry does not fit this device: skip the failed compiles
+        return out
