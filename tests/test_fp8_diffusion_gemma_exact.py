@@ -121,13 +121,13 @@ def _passes(model, prompt, canvas, sc_scale=40.0):
     """(encoder hidden of the prompt, canvas logits, canvas logits with self-conditioning) of fluxlab's model."""
     kv = DenseKV()
     attn = DenseCanvasAttention([CanvasSegment(kv, len(prompt), True)], model.layer_is_sliding, model.sliding_window)
-    hidden = model.encode(prompt, torch.arange(len(prompt)), attn)
+    hidden = model.encode(prompt, torch.arange(len(prompt), device=prompt.device), attn)
     out = [hidden]
     sc = None
     for _ in range(2):
         attn = DenseCanvasAttention([CanvasSegment(kv, len(canvas), False)], model.layer_is_sliding,
                                     model.sliding_window)
-        positions = torch.arange(len(prompt), len(prompt) + len(canvas))
+        positions = torch.arange(len(prompt), len(prompt) + len(canvas), device=canvas.device)
         out.append(model.compute_logits(model.denoise(canvas, positions, attn, sc)))
         sc = out[-1] * sc_scale
     return out
@@ -318,13 +318,21 @@ def test_fp8_model_on_gpu_is_close_to_the_cpu_path_and_rows_do_not_depend_on_the
     codes in fp32; a canvas alone and beside two others give bit-equal logits."""
     cpu = load_diffusion_gemma(blocky, torch.float32, "cpu", quantization="fp8")
     gpu = load_diffusion_gemma(blocky, torch.bfloat16, "cuda", quantization="fp8")
+    cpu_bf16 = load_diffusion_gemma(blocky, torch.bfloat16, "cpu", quantization="fp8")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, BLOCKY["vocab_size"], (n,), generator=gen) for n in (5, 21, 12)]
     canvases = [torch.randint(0, BLOCKY["vocab_size"], (8,), generator=gen) for _ in prompts]
     want = _passes(cpu, prompts[1], canvases[1])
     got = _passes(gpu, prompts[1].cuda(), canvases[1].cuda())
-    for g, w in zip(got, want):
-        assert ((g.float().cpu() - w).norm() / w.norm()).item() < 3e-2   # bf16 activations, one e4m3 step apart
+    # bf16 activations quantize to other e4m3 codes than fp32 ones now and then (a code is 2^-3 wide), and this
+    # random checkpoint magnifies rounding: the H200 gave 3.2% on the prompt's hidden states and 29% / 28% on
+    # the logits (2026-12-04). So the control is the CPU path in bf16 (dequantize, then torch's matmul; 3.3%,
+    # 28%, 28% here): the Triton kernels may differ from fp32 by 3x what bf16 alone does there, no more
+    rel = lambda a, b: ((a.float().cpu() - b).norm() / b.norm()).item()  # noqa: E731
+    errs = [rel(g, w) for g, w in zip(got, want)]
+    control = [rel(c, w) for c, w in zip(_passes(cpu_bf16, prompts[1], canvases[1]), want)]
+    print(f"\nrel err against fp32 CPU: GPU {errs}, bf16 CPU {control}")
+    assert all(e < max(6e-2, 3 * c) for e, c in zip(errs, control)), (errs, control)
     kvs = [DenseKV() for _ in prompts]
     for kv, p in zip(kvs, prompts):
         attn = DenseCanvasAttention([CanvasSegment(kv, len(p), True)], gpu.layer_is_sliding, gpu.sliding_window)

@@ -355,7 +355,9 @@ def test_triton_on_fp8_pages_matches_sdpa_on_gpu(graph_segments):
     got, want, caches = kernel_and_sdpa(cuda, torch.bfloat16, 32, 16, 4, 128, graph_segments)
     got, want = got.float(), want.float()
     assert torch.isfinite(got).all()
-    assert (want - got).norm() / want.norm() < 1e-2 and (want - got).abs().max().item() < 3e-2
+    assert (want - got).norm() / want.norm() < 1e-2
+    # elementwise to bf16 rounding: one ulp of an output in [8, 16) is 0.0625 (the H200 showed that, 2026-12-04)
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2e-2)
     assert torch.equal(caches[0].k[0, :40].view(torch.uint8), caches[1].k[0, :40].view(torch.uint8))
     got, want, _ = kernel_and_sdpa(cuda, torch.float32, 32, 16, 4, 128, graph_segments)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -4,7 +4,7 @@
 # and batches: VARIANTS (default triton+graph; FP8 pages are read by sdpa and triton only), BATCH_SIZES (default 1,64).
 # Writes $OUT/pytest.log, $OUT/roofline_auto.json and $OUT/roofline_fp8_e4m3.json. The roofline's floors count a
 # cached value at one byte for the fp8_e4m3 pages, two for auto.
-timeout 150 python3 -m pytest -q -m gpu tests/test_kv_fp8.py -p no:cacheprovider > $OUT/pytest.log 2>&1
+timeout 150 python3 -m pytest -v --tb=short -m gpu tests/test_kv_fp8.py -p no:cacheprovider > $OUT/pytest.log 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed|Error" $OUT/pytest.log | tail -8
 for kv in auto fp8_e4m3; do
   timeout ${TIMEOUT:-200} python3 -m fluxlab.bench.roofline --batch-sizes ${BATCH_SIZES:-1,64} \
