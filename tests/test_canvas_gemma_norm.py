@@ -135,6 +135,18 @@ def check(hidden: int, heads: int, kv_heads: int, head_dim: int, sliding: bool, 
         assert torch.equal(firsts[0], firsts[1])
         per_token = gemma_norm.ffn_residual(a, x, x, *w, torch.full((n, 1), 0.7, dtype=dtype, device=device), 1e-6)
         assert torch.equal(per_token, gemma_norm.ffn_residual(a, x, x, *w, layer.layer_scalar, 1e-6))
+    # q/k/v and gate/up as one weight each (the CUDA bf16 engine's layout, model.fuse_projections_): the same
+    # bits, q/k/v normed and rotated where they sit in the fused output (heads of a column slice)
+    with torch.no_grad():
+        apart = (*layer.qkv(x, cos, sin), layer.mlp(x))
+        weights = [p.weight.data_ptr() for p in layer.self_attn.projections()]
+        layer.self_attn.fuse_projections_()
+        layer.mlp.fuse_projections_()
+        assert [p.weight.data_ptr() for p in layer.self_attn.projections()] != weights  # views of the fused weight now
+        assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()
+        fused = (*layer.qkv(x, cos, sin), layer.mlp(x))
+    for f, a_, name in zip(fused, apart, ("q", "k", "v", "dense MLP")):
+        assert torch.equal(f, a_), f"fused {name} differs"
 
 
 def _interpreter_checks() -> None:

@@ -72,5 +72,8 @@ def test_a_requests_tokens_do_not_depend_on_the_batch(llm):
         assert len(results[size]) == 2 * CANVAS
     runner = llm.engine.runner
     assert runner.num_graph_forwards > 0 and runner.num_eager_forwards > 0  # both paths met
+    # the bf16 engine runs q/k/v and gate/up fused (model.fuse_projections_), as the speed benchmarks do
+    assert all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+               for layer in runner.model.layers)
     assert results[8] == results[1], "batch of 8"
     assert results[64] == results[1], "batch of 64"

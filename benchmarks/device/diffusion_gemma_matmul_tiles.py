@@ -16,11 +16,11 @@ from triton.testing import do_bench
 
 import fluxlab.kernels.invariant_matmul as im
 
-# (N, K): count per step
-SHAPES = {(4096, 2816): 25, (8192, 2816): 5, (2048, 2816): 25 * 2 + 5, (1024, 2816): 0, (2816, 4096): 25,
-          (2816, 8192): 5, (2112, 2816): 2 * 30 + 2, (2816, 2112): 31, (128, 2816): 30, (262144, 2816): 1}
-SHAPES[(1024, 2816)] = 5  # full layers' k (2 heads of 512)
-SHAPES[(2048, 2816)] = 50  # sliding k and v
+# (N, K): count per step, in the engine's layout (model.fuse_projections_): a sliding layer's q, k, v as one
+# 8192-row weight (4096 + 2 x 2048), a full layer's q and k (k = v) as 9216 (8192 + 1024), each layer's dense
+# gate and up as 4224; the self-conditioning MLP keeps its two 2112-row weights
+SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192): 5, (4224, 2816): 30,
+          (2112, 2816): 2, (2816, 2112): 31, (128, 2816): 30, (262144, 2816): 1}
 CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x64": (128, 64, 64, 4, 4),
            "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "64x256": (64, 256, 64, 8, 3),
            "128x128k128": (128, 128, 128, 8, 3)}

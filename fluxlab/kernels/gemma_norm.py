@@ -41,17 +41,20 @@ if HAVE_TRITON:
         return tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, stride_x, stride_o, stride_cs,
-                          eps, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                          HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, DT: tl.constexpr):
-        # rows r of x [n_rows, D] (token r // heads); each row loaded as its two halves, so the
-        # rotation pairs tiles; the sum of squares is half 1 then half 2, the same for every row.
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, x_heads, stride_xt, stride_xh,
+                          stride_o, stride_cs, eps, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                          ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, DT: tl.constexpr):
+        # rows r of x (token r // heads); row r sits at (r // x_heads) * stride_xt + (r % x_heads) * stride_xh
+        # (a head of a column slice of a fused projection, or a row of a contiguous [n_rows, D]). Each row
+        # loaded as its two halves, so the rotation pairs tiles; the sum of squares is half 1 then half 2,
+        # the same for every row.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         i = tl.arange(0, BLOCK)[None, :]
         ok = (rows < n_rows) & (i < HALF)
         rows64 = rows.to(tl.int64)
-        x1 = tl.load(x_ptr + rows64 * stride_x + i, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + rows64 * stride_x + HALF + i, mask=ok, other=0.0).to(tl.float32)
+        x_row = x_ptr + (rows64 // x_heads) * stride_xt + (rows64 % x_heads) * stride_xh
+        x1 = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + HALF + i, mask=ok, other=0.0).to(tl.float32)
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
         y1 = _rnd(_scaled(x1, inv, w_ptr, i, i < HALF, HAS_W), DT)
         y2 = _rnd(_scaled(x2, inv, w_ptr, HALF + i, i < HALF, HAS_W), DT)
@@ -126,8 +129,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     [tokens, heads, D]), `layers.rotate`. A new contiguous tensor of x's shape and dtype."""
     D = x.shape[-1]
     assert D % 2 == 0 and (weight is None or weight.dtype == x.dtype)
-    x2 = _rows_of(x, D)
-    n = x2.shape[0]
+    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == D:  # heads of a column slice: read in place
+        x2, x_heads, stride_xt, stride_xh = x, x.shape[1], x.stride(0), D
+        n = x.shape[0] * x.shape[1]
+    else:
+        x2 = _rows_of(x, D)
+        x_heads, stride_xt, stride_xh, n = 1, x2.stride(0), 0, x2.shape[0]
     out = torch.empty(n, D, dtype=x.dtype, device=x.device)
     rope = cos is not None
     heads = x.shape[-2] if rope else 1
@@ -139,8 +146,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         rows = max(1, min(16, 2048 // block))  # by D alone (batch invariance): 8 heads of 256 a program
         _norm_rope_kernel[(triton.cdiv(n, rows),)](
             x2, weight if weight is not None else x2, cos if rope else x2, sin if rope else x2, out, n, heads,
-            x2.stride(0), out.stride(0), cos.stride(0) if rope else 0, float(eps), D=D, HALF=D // 2, BLOCK=block,
-            ROWS=rows, HAS_W=weight is not None, HAS_ROPE=rope, DT=_tl_dtype(x.dtype), num_warps=_warps(block * rows))
+            x_heads, stride_xt, stride_xh, out.stride(0), cos.stride(0) if rope else 0, float(eps), D=D,
+            HALF=D // 2, BLOCK=block, ROWS=rows, HAS_W=weight is not None, HAS_ROPE=rope, DT=_tl_dtype(x.dtype),
+            num_warps=_warps(block * rows))
     return out.view(x.shape)
 
 

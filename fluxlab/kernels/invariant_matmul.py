@@ -23,8 +23,10 @@ BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES, GROUP_M = 128, 128, 64, 8, 3, 8
 # narrow weights give few programs at one canvas (256 rows). Filled from device sweeps
 # (benchmarks/device/diffusion_gemma_matmul_tiles.py); shapes not listed use the default above.
 # H200, us at 256 / 4096 rows (2026-12-03): the router's 128 columns 27 / 29 -> 17 / 30; the dense
-# gate and up 32 / 88 -> 23 / 94. Larger weights keep the default (smaller tiles win ~20% at 256
-# rows there but lose 30-45% at 4096). No config of the sweep changed a bit of the output.
+# gate and up 32 / 88 -> 23 / 94 (now the self-conditioning MLP's only: the layers' gate and up run
+# fused, 4224 rows, on the default tiles until a sweep says otherwise). Larger weights keep the default
+# (smaller tiles win ~20% at 256 rows there but lose 30-45% at 4096). No config of the sweep changed a
+# bit of the output.
 TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {(128, 2816): (64, 64, 64, 4, 4),
                                                                 (2112, 2816): (128, 64, 64, 4, 4)}
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)

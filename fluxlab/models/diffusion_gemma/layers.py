@@ -47,6 +47,22 @@ def project_all(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     return [project(x, layer) for layer in layers]
 
 
+def fuse_linears(*layers: nn.Linear) -> torch.Tensor:
+    """One weight [sum of N, K] whose row blocks the layers' weights become views of. A batch-invariant
+    matmul by it computes every layer's output at once, each element summed over K as its own layer's
+    would be (tile configs change no output bit: benchmarks/device/diffusion_gemma_matmul_tiles.py).
+    At one canvas (256 rows) q, k and v alone launch 64, 32 and 32 programs of 128 x 128 on 132 SMs and
+    each waits on its own K loop; fused they fill one wave (H200 sweep, 2026-12-03: 32 + 29 + 29 us
+    apart, 35 us for a weight of their fused shape)."""
+    fused = torch.cat([layer.weight.detach() for layer in layers])
+    start = 0
+    for layer in layers:
+        rows = layer.weight.shape[0]
+        layer.weight.data = fused[start:start + rows]
+        start += rows
+    return fused
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style rotation over the whole head; proportional RoPE has cos=1, sin=0 on its unrotated dims."""
     half = x.shape[-1] // 2
@@ -72,11 +88,22 @@ class GemmaAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(head_dim, eps)
         self.k_norm = GemmaRMSNorm(head_dim, eps)
         self.v_norm = GemmaRMSNorm(head_dim, eps, with_scale=False)
+        self.qkv_weight: torch.Tensor | None = None  # fuse_projections_: q, k (and v) rows of one weight
+
+    def projections(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
+
+    def fuse_projections_(self) -> None:
+        if all(type(layer) is nn.Linear for layer in self.projections()):
+            self.qkv_weight = fuse_linears(*self.projections())
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[0]
-        projections = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
-        q, k_raw, *v = project_all(x, *projections)
+        projections = self.projections()
+        if self.qkv_weight is not None:
+            q, k_raw, *v = linear(x, self.qkv_weight).split([p.weight.shape[0] for p in projections], dim=-1)
+        else:
+            q, k_raw, *v = project_all(x, *projections)
         q = q.view(n, self.num_heads, self.head_dim)
         k_raw = k_raw.view(n, self.num_kv_heads, self.head_dim)
         v_raw = v[0].view(n, self.num_kv_heads, self.head_dim) if v else k_raw
@@ -93,9 +120,17 @@ class GemmaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # fuse_projections_: gate and up rows of one weight
+
+    def fuse_projections_(self) -> None:
+        if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
+            self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project_all(x, self.gate_proj, self.up_proj)
+        if self.gate_up_weight is not None:
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = project_all(x, self.gate_proj, self.up_proj)
         return project(F.gelu(gate, approximate="tanh") * up, self.down_proj)
 
 

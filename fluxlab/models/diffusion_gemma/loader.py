@@ -72,12 +72,16 @@ def load_model(model_cfg, model_dir: Path | None, dtype: torch.dtype, device, se
     (model_dir None: model.load_format=random), converted as model.quantization says."""
     quantization = model_cfg.get("quantization", "none")
     if model_dir is not None:
-        return load_diffusion_gemma(model_dir, dtype, device, quantization)
-    from fluxlab.models.diffusion_gemma.fp8_checkpoint import quantize_diffusion_gemma_
-    from fluxlab.models.diffusion_gemma.presets import build_random_diffusion_gemma
+        model = load_diffusion_gemma(model_dir, dtype, device, quantization)
+    else:
+        from fluxlab.models.diffusion_gemma.fp8_checkpoint import quantize_diffusion_gemma_
+        from fluxlab.models.diffusion_gemma.presets import build_random_diffusion_gemma
 
-    model = build_random_diffusion_gemma(model_cfg.preset, dtype, device, seed)
-    return quantize_diffusion_gemma_(model) if quantization == "fp8" else model
+        model = build_random_diffusion_gemma(model_cfg.preset, dtype, device, seed)
+        model = quantize_diffusion_gemma_(model) if quantization == "fp8" else model
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        model.fuse_projections_()  # fp32 and the CPU keep F.linear per projection (parity runs)
+    return model
 
 
 def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"):

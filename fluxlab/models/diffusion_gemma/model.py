@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fluxlab.models.diffusion_gemma.layers import GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
+from fluxlab.models.diffusion_gemma.layers import GemmaAttention, GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
 from fluxlab.kernels.invariant_matmul import linear, matmul, use_kernel
 
 
@@ -93,6 +93,15 @@ class DiffusionGemmaModel(nn.Module):
                 per_layer.head_dim, layer_type == "sliding_attention", c.num_experts, c.top_k_experts,
                 c.moe_intermediate_size, c.rms_norm_eps))
         return nn.ModuleList(layers)
+
+    def fuse_projections_(self) -> "DiffusionGemmaModel":
+        """Every attention's q/k/v and dense MLP's gate/up as one weight each (layers.fuse_linears): the
+        CUDA half-precision path, where the batch-invariant matmul computes them. FP8 layers keep their
+        shared activation quantization instead."""
+        for module in self.modules():
+            if isinstance(module, (GemmaAttention, GemmaMLP)):
+                module.fuse_projections_()
+        return self
 
     @property
     def layer_is_sliding(self) -> list[bool]:
