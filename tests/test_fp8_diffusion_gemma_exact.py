@@ -328,7 +328,9 @@ def test_fp8_model_on_gpu_is_close_to_the_cpu_path_and_rows_do_not_depend_on_the
     # random checkpoint magnifies rounding: the H200 gave 3.2% on the prompt's hidden states and 29% / 28% on
     # the logits (2026-12-04). So the control is the CPU path in bf16 (dequantize, then torch's matmul; 3.3%,
     # 28%, 28% here): the Triton kernels may differ from fp32 by 3x what bf16 alone does there, no more
-    rel = lambda a, b: ((a.float().cpu() - b).norm() / b.norm()).item()  # noqa: E731
+    def rel(a, b):
+        return ((a.float().cpu() - b).norm() / b.norm()).item()
+
     errs = [rel(g, w) for g, w in zip(got, want)]
     control = [rel(c, w) for c, w in zip(_passes(cpu_bf16, prompts[1], canvases[1]), want)]
     print(f"\nrel err against fp32 CPU: GPU {errs}, bf16 CPU {control}")

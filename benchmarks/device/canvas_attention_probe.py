@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
 from fluxlab.models.diffusion_gemma import paged_attention as pa  # noqa: E402
 
 
-def fp64_reference(self, meta, sliding, q, k, v, cache_k, cache_v):
+def fp64_reference(meta, sliding, q, k, v, cache_k, cache_v):
     """The torch path's gathers and masks, in fp64 math, on copies of the pools."""
     slots = meta.key_slots[sliding]
     cache_k, cache_v = cache_k.clone(), cache_v.clone()
@@ -54,7 +54,7 @@ def probing_forward(original):
         sliding = self.layer_is_sliding[layer_idx]
         cache_k, cache_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
         before = cache_k.clone(), cache_v.clone()
-        want, geometry = fp64_reference(self, meta, sliding, q, k, v, cache_k, cache_v)
+        want, geometry = fp64_reference(meta, sliding, q, k, v, cache_k, cache_v)
         got_kernel = self._kernel_forward(meta, sliding, q, k, v, cache_k, cache_v)
         after_kernel = cache_k.clone()
         cache_k.copy_(before[0]), cache_v.copy_(before[1])

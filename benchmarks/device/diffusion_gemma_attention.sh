@@ -3,8 +3,8 @@
 # Triton kernel (fluxlab/kernels/canvas_attention.py, attention=triton). Run from the repo root with carry [".whl"]:
 #   OUT=$OUT bash benchmarks/device/run.sh diffusion_gemma_attention      (or STEPS=... bash this file)
 # A: GPU tests: the kernel at 26B-A4B head shapes vs sdpa (fp32 and bf16), one engine forward vs sdpa (fp32, and
-#    bf16 against sdpa with rounding noise), batch invariance at 1/8 with the kernel and graphs (tests/test_canvas_attention.py), then the
-#    existing invariance test (sdpa), graphs and the canvas kernels' tests;
+#    bf16 against sdpa with rounding noise), batch invariance at 1/8 with the kernel and graphs
+#    (tests/test_canvas_attention.py), then the existing invariance test (sdpa), graphs and the canvas kernels' tests;
 # K: one layer of each type alone at b1/b16, sdpa vs the kernel and its tile configs
 #    (diffusion_gemma_attention_tiles.py; FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}' sets a config);
 # D: python -m fluxlab.bench.canvas at b1/b16 with graphs, --attention sdpa then --attention triton, same tree.

@@ -60,7 +60,7 @@ def _smaller(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | N
     return None
 
 
-_FITTED: dict[tuple[int, torch.dtype, str], tuple[int, int, int, int]] = {}
+_FITTED: dict[tuple[int, torch.dtype, torch.device], tuple[int, int, int, int]] = {}
 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
@@ -221,7 +221,7 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     slots = prefix_slots if prefix_slots.shape[1] else torch.zeros(rows, 1, dtype=torch.long, device=q.device)
     num_slots = prefix_slots.shape[1]
     fresh_t = fresh if fresh is not None else slots
-    key = (padded, q.dtype, str(q.device))
+    key = (padded, q.dtype, q.device)
     config = _FITTED.get(key) or config_for(head_dim)
     first_choice = config
     while True:

@@ -89,21 +89,23 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(head_dim, eps)
         self.v_norm = GemmaRMSNorm(head_dim, eps, with_scale=False)
         self.qkv_weight: torch.Tensor | None = None  # fuse_projections_: q, k (and v) rows of one weight
+        self.qkv_sizes: list[int] = []  # its row blocks, in that order
 
     def projections(self) -> list[nn.Module]:
         return [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
 
     def fuse_projections_(self) -> None:
-        if all(type(layer) is nn.Linear for layer in self.projections()):
-            self.qkv_weight = fuse_linears(*self.projections())
+        projections = self.projections()
+        if all(type(layer) is nn.Linear for layer in projections):
+            self.qkv_sizes = [layer.weight.shape[0] for layer in projections]
+            self.qkv_weight = fuse_linears(*projections)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[0]
-        projections = self.projections()
         if self.qkv_weight is not None:
-            q, k_raw, *v = linear(x, self.qkv_weight).split([p.weight.shape[0] for p in projections], dim=-1)
+            q, k_raw, *v = linear(x, self.qkv_weight).split(self.qkv_sizes, dim=-1)
         else:
-            q, k_raw, *v = project_all(x, *projections)
+            q, k_raw, *v = project_all(x, *self.projections())
         q = q.view(n, self.num_heads, self.head_dim)
         k_raw = k_raw.view(n, self.num_kv_heads, self.head_dim)
         v_raw = v[0].view(n, self.num_kv_heads, self.head_dim) if v else k_raw
