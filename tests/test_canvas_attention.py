@@ -201,8 +201,8 @@ def _interpreter_checks(which: str) -> None:
 
 
 def test_attention_key_is_honoured_or_refused_by_name():
-    """Diffusion-Gemma runs attention=sdpa (auto, any device) or attention=triton (CUDA); the LLaDA2 backends
-    are refused with the reason."""
+    """Diffusion-Gemma runs attention=sdpa (any device) or attention=triton (CUDA); auto is the kernel on CUDA in
+    half precision (with triton installed) and sdpa elsewhere; the LLaDA2 backends are refused with the reason."""
     from fluxlab.config import ConfigError, compose, validate_config
 
     def valid(*overrides, cuda=True):
@@ -210,7 +210,13 @@ def test_attention_key_is_honoured_or_refused_by_name():
         validate_config(cfg, cuda_available=cuda)
         return cfg
 
-    assert valid().attention.backend == "sdpa" and valid(cuda=False).attention.backend == "sdpa"
+    kernel = "triton" if HAVE_TRITON else "sdpa"
+    assert valid().attention.backend == kernel and valid(cuda=False).attention.backend == "sdpa"  # bf16 by default
+    assert valid("engine.dtype=float32").attention.backend == "sdpa"  # exact-parity runs
+    assert valid("engine.dtype=float16").attention.backend == kernel
+    assert valid("engine.dtype=bfloat16", "engine.device=cpu").attention.backend == "sdpa"
+    assert valid("engine.dtype=bfloat16", cuda=False).attention.backend == "sdpa"
+    assert valid("attention=sdpa", "engine.dtype=bfloat16").attention.backend == "sdpa"
     assert valid("attention=triton", "engine.dtype=bfloat16").attention.backend == "triton"
     assert valid("attention=triton", "engine.dtype=float32").attention.backend == "triton"  # IEEE dots
     with pytest.raises(ConfigError, match="attention.backend=triton needs a CUDA device"):

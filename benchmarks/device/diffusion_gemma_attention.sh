@@ -7,7 +7,8 @@
 #    (tests/test_canvas_attention.py), then the existing invariance test (sdpa), graphs and the canvas kernels' tests;
 # K: one layer of each type alone at b1/b16, sdpa vs the kernel and its tile configs
 #    (diffusion_gemma_attention_tiles.py; FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}' sets a config);
-# D: python -m fluxlab.bench.canvas at b1/b16 with graphs, --attention sdpa then --attention triton, same tree.
+# D: python -m fluxlab.bench.canvas at b1/b16 with graphs, --attention sdpa then --attention triton, same tree
+#    (ATTENTIONS=triton runs only the kernel, when another step of the same call measured sdpa).
 # ~9 min with all steps: STEPS=AK then STEPS=D keeps each call under 600 s. Outputs under $OUT.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out_dg_attention}
@@ -37,13 +38,13 @@ if [[ $STEPS == *K* ]]; then
   echo "K exit $?"; grep -v "^\[" "$OUT/dg_attention_tiles.log" | tail -45 | cut -c1-160
 fi
 if [[ $STEPS == *D* ]]; then
-  for attention in sdpa triton; do
+  for attention in ${ATTENTIONS:-sdpa triton}; do
     t "D: bench, attention=$attention"
     timeout ${D_TIMEOUT:-180} python3 -m fluxlab.bench.canvas $BENCH --attention $attention \
       --out "$OUT/dg_bench_$attention.json" > "$OUT/dg_bench_$attention.log" 2>&1
     echo "D $attention exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_$attention.log" | head -5
   done
-  for attention in sdpa triton; do
+  for attention in ${ATTENTIONS:-sdpa triton}; do
     echo "== $attention"; [[ -f $OUT/dg_bench_$attention.json ]] && python3 -c "import json, sys; from fluxlab.bench.canvas import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/dg_bench_$attention.json" 2>&1 | tail -8
   done
 fi

@@ -2,7 +2,7 @@
 
     python -m fluxlab.bench.canvas [--preset diffusion_gemma_26b_a4b] [--batch-sizes 1,16,64]
         [--concurrency 1,16] [--steps 16] [--prompt-tokens 256] [--max-new-tokens 1024]
-        [--graphs off|on|both] [--quantization none|fp8] [--attention sdpa|triton] [--out FILE]
+        [--graphs off|on|both] [--quantization none|fp8] [--attention auto|sdpa|triton] [--out FILE]
 
 Random bf16 weights of the preset on the GPU (model.load_format=random). Part 1, per batch size B:
 B requests whose prompt K/V is in the cache; "denoise" = one forward over B canvases + the canvas
@@ -32,7 +32,7 @@ from fluxlab.engine.request import SamplingParams
 
 
 def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, graph_rows: list[int],
-            quantization: str = "none", attention: str = "sdpa"):
+            quantization: str = "none", attention: str = "auto"):
     from fluxlab.config.compose import compose
     from fluxlab.config.validate import validate_config
     from fluxlab.models.diffusion_gemma.engine import CanvasEngine
@@ -43,7 +43,7 @@ def _engine(preset: str, max_num_seqs: int, pages_per_seq: int, smoke: bool, gra
         model = ["model=diffusion_gemma", f"model.preset={preset}", "model.load_format=random", "engine.dtype=bfloat16",
                  "engine.device=cuda"]
     model.append(f"model.quantization={quantization}")  # fp8: the preset's random weights quantized at load
-    model.append(f"attention={attention}")  # triton: kernels/canvas_attention.py instead of gather + sdpa
+    model.append(f"attention={attention}")  # auto: the Triton canvas kernel on CUDA in bf16, sdpa on the smoke run
     cfg = compose("bench", model + ["tracking=none"])
     canvas = cfg.decoding.canvas_length
     graphs = ["attention.use_decode_cuda_graph=true",
@@ -202,6 +202,8 @@ def print_table(results: dict) -> None:
     print(f"\n{'graphs':>6} {'batch':>6} {'denoise ms':>11} {'forward ms':>11} {'commit ms':>10} "
           f"{'commit+denoise':>15}")
     for mode, r in results.items():
+        if "attention" in r:
+            print(f"{mode:>6} attention={r['attention']}")
         if "error" in r:
             print(f"{mode:>6} failed: {r['error'][:300]}")
         for f in r.get("forwards", []):
@@ -228,8 +230,9 @@ def main(argv=None) -> None:
                         help="denoiser CUDA graphs (attention.use_decode_cuda_graph) off, on, or off then on")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
                         help="model.quantization (fp8: e4m3 projections and experts, quantized at load)")
-    parser.add_argument("--attention", choices=("sdpa", "triton"), default="sdpa",
-                        help="attention: sdpa over gathered keys, or the batch-invariant Triton canvas kernel (CUDA)")
+    parser.add_argument("--attention", choices=("auto", "sdpa", "triton"), default="auto",
+                        help="attention: sdpa over gathered keys, or the batch-invariant Triton canvas kernel (CUDA); "
+                             "auto = the serving default (the kernel on CUDA in bf16)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on CPU (checks the script)")
     args = parser.parse_args(argv)
@@ -250,7 +253,7 @@ def main(argv=None) -> None:
 
     for mode in (("off", "on") if args.graphs == "both" else (args.graphs,)):
         engine.runner.graphs = graphs if mode == "on" else None
-        results[mode] = {}
+        results[mode] = {"attention": "triton" if engine.runner.attention.kernel else "sdpa"}
         try:
             measure(engine, args, batches, concurrency, results[mode], save)
         except Exception as err:  # noqa: BLE001 - the other mode's numbers still print

@@ -124,7 +124,10 @@ def _check_canvas_engine(cfg: DictConfig) -> None:
     attn, eng, par = cfg.attention, cfg.engine, cfg.parallel
     name = describe(cfg.model)
     if attn.backend == "auto":
-        attn.backend = "sdpa"  # attention=triton (kernels/canvas_attention.py) is opt-in until a GPU measures it
+        # The kernel (kernels/canvas_attention.py) beat gather + sdpa on an H200 (docs/benchmarks.md, 2026-12-04:
+        # 22.2 vs 25.9 ms a step at batch 1). fp32 parity runs keep sdpa, as the block models do.
+        half = cfg.engine.dtype in ("bfloat16", "float16")
+        attn.backend = "triton" if cfg.engine.device.startswith("cuda") and half and _triton_installed() else "sdpa"
     _check(attn.backend in ("sdpa", "triton"),
            f"attention.backend={attn.backend}: {name} (Diffusion-Gemma) runs its own canvas attention over its two "
            "page pools: sdpa (gathered keys, any device) or triton (fluxlab/kernels/canvas_attention.py, CUDA); "
