@@ -48,10 +48,13 @@ def test_invariant_matmul_matches_linear_interpreter():
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU and triton")
 def test_invariant_matmul_on_26b_shapes():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for k, n in ((2816, 4096), (4096, 2816), (2816, 128), (2112, 2816), (2816, 2112), (2816, 8192)):
+    for k, n in ((2816, 4096), (4096, 2816), (2816, 128), (2112, 2816), (2816, 2112), (2816, 8192),
+                 (8192, 2816), (2816, 9216), (2816, 4224)):  # the last three: fused q/k/v, full q/k, gate/up
         check(256, k, n, torch.bfloat16, "cuda", gen, rows=(1, 8, 64))
     check(256, 2816, 262144, torch.bfloat16, "cuda", gen, rows=(1, 4))  # the head
     check(256, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1, 4))  # self-conditioning
+    # the slices' sum at 16 canvases (16 fp32 slices of 4096 x 2816)
+    check(4096, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1,))
 
 
 if __name__ == "__main__":

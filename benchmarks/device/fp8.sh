@@ -20,7 +20,7 @@ if [ "${ROOF:-0}" = 1 ]; then
   done
 fi
 if [ "${DG:-0}" = 1 ]; then
-  for q in none fp8; do
+  for q in ${DG_QUANT:-none fp8}; do  # DG_QUANT=fp8: the bf16 run comes from another step of the same call
     timeout ${DG_TIMEOUT:-270} python3 -m fluxlab.bench.canvas --preset diffusion_gemma_26b_a4b --quantization $q \
       --graphs on --batch-sizes 1,16 --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats 5 \
       --out $OUT/dg_canvas_$q.json > $OUT/dg_canvas_$q.log 2>&1

@@ -6,8 +6,13 @@ split-K, at 16384 rows not, so the same row sums its products in another order a
 differently, and a request's tokens would depend on the batch it runs in. Here every call uses one
 tile config (`BLOCK_M/N/K`, warps, stages), and the reduction of each output element is
 K-chunks of BLOCK_K in order into one fp32 accumulator: a function of K alone. Products with a long
-reduction are cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials are
-added in slice order by elementwise ops, never by a number that depends on the rows.
+reduction are cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials
+`_sum_slices_kernel` adds in slice order, elementwise: never a number that depends on the rows.
+
+(Slicing narrow weights by shape, with a canvas's slices in programs of their own and a large batch's
+walked by one program -- the same sums -- was measured on an H200 on 2026-12-04: -0.9 ms a step at
+batch 1, +7 ms at batch 16, where a program walking its slices pipelines its loads worse;
+docs/benchmarks.md.)
 
 `matmul(x [M, K], w [N, K])` = x @ w.T (F.linear's layout); `w` may be any strided view (the
 self-conditioning input multiplies by the embedding [V, H] itself: pass `embedding.t()`).
@@ -63,8 +68,21 @@ if HAVE_TRITON:
                 acc = tl.dot(a, b, acc)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
-        o_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
+                  + cols[None, :])
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit
+    def _sum_slices_kernel(parts_ptr, out_ptr, numel, SLICES: tl.constexpr, BLOCK: tl.constexpr):
+        # slice 0, then + slice 1, + slice 2, ... in fp32, rounded once to the output dtype
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        ptrs = parts_ptr + offs
+        total = tl.load(ptrs, mask=ok, other=0.0)
+        for _ in range(1, SLICES):
+            ptrs += numel  # a pointer step per slice: no slice index times numel to overflow int32
+            total += tl.load(ptrs, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def use_kernel(x: torch.Tensor) -> bool:
@@ -89,19 +107,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k_per_split = -(-K // splits)
     k_per_split = -(-k_per_split // block_k) * block_k
     splits = -(-K // k_per_split)
-    out = torch.empty(M, N, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
     _matmul_kernel[grid](x, w, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=block_m, BLOCK_N=block_n,
                          BLOCK_K=block_k, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps,
                          num_stages=stages)
-    if splits == 1:
-        return out
-    total = parts[0]
-    for s in range(1, splits):  # slice order, elementwise: no reduction whose blocking depends on M
-        total = total + parts[s]
-    return total.to(x.dtype)
+    if splits > 1:
+        block = 1024
+        _sum_slices_kernel[(triton.cdiv(M * N, block),)](parts, out, M * N, SLICES=splits, BLOCK=block)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
