@@ -4,7 +4,8 @@
 # (benchmarks/device/diffusion_gemma_invariance_probe.py); C: kernel profile of a denoising step at batch 1
 # and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
 # `git archive` of the commit before this round; BASE=dir names another) then this tree, in one call; T: the
-# invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py). Outputs under $OUT.
+# invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py); M: the fused MoE's tile sweep at 1 and 16
+# canvases with the bit check a per-batch config needs (diffusion_gemma_moe_tiles.py). Outputs under $OUT.
 # Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
 #   sweeps pyproject.toml setup.py | tar -x -C .base ; echo /.base/ >> .git/info/exclude
 # ~8-9 min with all steps: STEPS=ABD (the default ABCD adds the profile) keeps one call under 600 s.
@@ -56,5 +57,10 @@ if [[ $STEPS == *T* ]]; then
   t "T: matmul tile sweep"
   timeout ${T_TIMEOUT:-120} python3 benchmarks/device/diffusion_gemma_matmul_tiles.py "$OUT/dg_tiles.json" > "$OUT/dg_tiles.log" 2>&1
   echo "T exit $?"; grep -v "^\[" "$OUT/dg_tiles.log" | tail -40 | cut -c1-200
+fi
+if [[ $STEPS == *M* ]]; then
+  t "M: fused MoE tile sweep (per-batch config candidates)"
+  timeout ${M_TIMEOUT:-150} python3 benchmarks/device/diffusion_gemma_moe_tiles.py "$OUT/dg_moe_tiles.json" > "$OUT/dg_moe_tiles.log" 2>&1
+  echo "M exit $?"; grep -v "^\[" "$OUT/dg_moe_tiles.log" | tail -16 | cut -c1-200
 fi
 t done

@@ -1,0 +1,85 @@
+"""Tile sweep of Diffusion-Gemma's fused bf16 MoE (gelu-tanh) at 26B-A4B shapes (GPU), for a per-batch config.
+
+The canvas MoE runs one config at every token count (layers.canvas_moe_config) so a token's output
+does not depend on the batch; at batch 16 it is 2.4x its FLOP floor (docs/benchmarks.md). A config chosen
+by token count keeps that property only if it gives every token the bits the batch-1 config gives.
+This times candidate configs at 256 tokens (one canvas, 2048 slots) and 4096 (16 canvases) and checks,
+for each, whether the first canvas's rows inside the 4096-token batch equal that canvas run alone
+through the current config, bit for bit. Random bf16 weights (E 128, top-8, H 2816, I 704), random routing.
+Usage: python3 benchmarks/device/diffusion_gemma_moe_tiles.py [out.json]
+"""
+import dataclasses
+import json
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from fluxlab.kernels.fused_moe import fused_moe
+from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
+
+E, TOP_K, H, I = 128, 8, 2816, 704
+CANVAS, TOKENS = 256, (256, 4096)
+DEVICE = "cuda"
+CURRENT = canvas_moe_config()
+CANDIDATES = {
+    "current": CURRENT,
+    "bm64 n128": dataclasses.replace(CURRENT, BLOCK_N1=128, WARPS1=8),
+    "bm64 s4": dataclasses.replace(CURRENT, STAGES1=4, STAGES2=4),
+    "bm64 k64": dataclasses.replace(CURRENT, BLOCK_K1=64, STAGES1=4),
+    "bm128": dataclasses.replace(CURRENT, BLOCK_M=128, SHRINK1=1, SHRINK2=1),
+    "bm128 n128 w8": dataclasses.replace(CURRENT, BLOCK_M=128, BLOCK_N1=128, WARPS1=8, WARPS2=8, SHRINK1=1,
+                                         SHRINK2=1),
+    "bm128 n128 w8 s4": dataclasses.replace(CURRENT, BLOCK_M=128, BLOCK_N1=128, WARPS1=8, WARPS2=8, STAGES1=4,
+                                            STAGES2=4, SHRINK1=1, SHRINK2=1),
+    "bm128 n2 256": dataclasses.replace(CURRENT, BLOCK_M=128, BLOCK_N1=128, WARPS1=8, BLOCK_N2=256, WARPS2=8,
+                                        SHRINK1=1, SHRINK2=1),
+    "bm64 tma": dataclasses.replace(CURRENT, TMA1=1, TMA2=1),
+}
+
+
+def case(tokens, gen):
+    x = (torch.randn(tokens, H, generator=gen, device=DEVICE) * 0.5).to(torch.bfloat16)
+    scores = torch.rand(tokens, E, generator=gen, device=DEVICE)
+    weights, index = scores.topk(TOP_K, dim=-1)
+    return x, index, weights / weights.sum(-1, keepdim=True)
+
+
+def main():
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+    w_down = (torch.randn(E, H, I, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+    batch = case(max(TOKENS), gen)
+    x, index, weights = (t[:CANVAS] for t in batch)
+    alone = fused_moe(x, index, weights, w_gate_up, w_down, config=CURRENT, activation="gelu_tanh")
+    results = {}
+    for name, cfg in CANDIDATES.items():
+        row = {}
+        for tokens in TOKENS:
+            x, index, weights = (t[:tokens] for t in batch)
+
+            def run(cfg=cfg, x=x, index=index, weights=weights):
+                return fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation="gelu_tanh")
+            try:
+                out = run()
+                row[f"same_{tokens}"] = torch.equal(out[:CANVAS], alone)
+                row[f"ms_{tokens}"] = do_bench(run, warmup=10, rep=50, return_mode="median")
+            except Exception as err:  # noqa: BLE001 - e.g. out of shared memory
+                row[f"ms_{tokens}"], row[f"same_{tokens}"] = float("inf"), None
+                print(f"{name} at {tokens}: {type(err).__name__}: {str(err)[:120]}")
+        results[name] = row
+    flops = {t: 2 * t * TOP_K * (2 * I * H + H * I) for t in TOKENS}
+    print(f"\n{'config':>18} " + " ".join(f"{f'ms@{t}':>9} {'bits':>5}" for t in TOKENS))
+    for name, row in results.items():
+        print(f"{name:>18} " + " ".join(f"{row[f'ms_{t}']:>9.3f} {str(row[f'same_{t}']):>5}" for t in TOKENS))
+    print("bits: the first canvas's rows equal that canvas alone through the current config")
+    print("floors, ms a layer: " + ", ".join(
+        f"{t} tokens {flops[t] / 989e12 * 1e3:.3f} (FLOPs at 989 TFLOP/s)" for t in TOKENS)
+        + f"; weights {(3 * E * I * H * 2) / 4.8e12 * 1e3:.3f} (bytes at 4.8 TB/s)")
+    if len(sys.argv) > 1:
+        json.dump({k: {**v, "config": dataclasses.asdict(CANDIDATES[k])} for k, v in results.items()},
+                  open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
