@@ -1,4 +1,4 @@
-"""The LLaDA2 router after its GEMM, in one Triton launch (sync-free, CUDA-graph capturable).
+"""Routers after their GEMM, in one Triton launch (sync-free, CUDA-graph capturable).
 
 `route_topk_from_logits(logits, expert_bias, ...)`: the router GEMM stays torch (`moe.router_logits`,
 fp32 logits, as `moe.route`); then one program per token does sigmoid, +bias, group scores (sum of
@@ -7,9 +7,16 @@ descending order of biased score, and weighs them: unbiased scores / (sum + 1e-2
 routed_scaling_factor. Ties are broken toward the lowest index (group and expert), which is what
 torch.topk does in practice but does not promise. `route_topk(x, ...)` adds the GEMM (the tests).
 
-Residual differences against torch on CUDA: tl.sigmoid's exp is the fast-math approximation and the
-weight sum is reduced in another order, so near-ties may swap and a weight may move by an ulp
-(tests/test_fused_norm.py measures it: >= 99% of rows the same experts).
+`softmax_topk_from_logits(logits, top_k, expert_scale)` is Diffusion-Gemma's router (layers.GemmaRouter.route)
+in the same program: softmax over the experts in fp32, the top_k probabilities renormalised to sum
+to one, each times its expert's learned scale. A token's row is one program, so the result does not
+depend on the other tokens (the canvas path's batch invariance); on CUDA it replaces torch's softmax,
+topk (two kernels), sum, division, gather and product (~0.7 ms of a 26B-A4B step at one canvas on an
+H200, 2026-12-04 profile).
+
+Residual differences against torch on CUDA: tl.sigmoid's and tl.exp's exp are the fast-math
+approximation and the sums are reduced in another order, so near-ties may swap and a weight may move
+by an ulp (tests/test_fused_norm.py measures it: >= 99% of rows the same experts).
 
 Needs CUDA (or TRITON_INTERPRET=1 on CPU, used by the tests).
 """
@@ -82,6 +89,32 @@ if HAVE_TRITON:
         tl.store(idx_ptr + t * TOP_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
         tl.store(w_ptr + t * TOP_K + kk, out_w, mask=kmask)
 
+    @triton.jit
+    def _softmax_route_kernel(logits_ptr, scale_ptr, idx_ptr, w_ptr, stride_l, E,
+                              BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+        # picks by packed keys as `_route_kernel`: the largest probability, the lowest index on ties
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        NONE: tl.constexpr = -9223372036854775807 - 1
+        logits = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf"))
+        shifted = tl.exp(logits - tl.max(logits, axis=0))
+        probs = shifted / tl.sum(shifted, axis=0)
+        key = tl.where(valid, (_ordered(probs) << 32) | (BLOCK_E - 1 - e).to(tl.int64), NONE)
+        kk = tl.arange(0, BLOCK_K)
+        out_idx = tl.zeros([BLOCK_K], dtype=tl.int64)
+        out_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for i in range(TOP_K):
+            best = tl.max(key, axis=0)
+            out_idx = tl.where(kk == i, BLOCK_E - 1 - (best & 0xFFFFFFFF), out_idx)
+            out_w = tl.where(kk == i, _unordered(best), out_w)
+            key = tl.where(key == best, NONE, key)
+        kmask = kk < TOP_K
+        out_w = out_w / tl.sum(out_w, axis=0)
+        out_w = out_w * tl.load(scale_ptr + out_idx, mask=kmask, other=0.0).to(tl.float32)
+        tl.store(idx_ptr + t * TOP_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
+        tl.store(w_ptr + t * TOP_K + kk, out_w, mask=kmask)
+
 
 # Warps per token at 256 experts: one keeps every reduction inside a warp (H200, us per call at 2048 /
 # 4096 tokens: 1 warp 6.4 / 11.0, 2 7.9 / 13.7, 4 11.6 / 21.2; docs/benchmarks.md §21).
@@ -112,3 +145,21 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
                         TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
                         num_warps=ROUTE_WARPS)
     return idx, w
+
+
+def softmax_topk_from_logits(logits: torch.Tensor, top_k: int, expert_scale: torch.Tensor):
+    """Diffusion-Gemma's router after its GEMM (module doc): logits [T, E] (any float dtype) ->
+    (topk_weight [T, top_k] fp32, topk_idx [T, top_k] int64), as GemmaRouter.route returns them."""
+    T, E = logits.shape
+    logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    assert 1 <= top_k <= E and expert_scale.shape == (E,), (top_k, E, expert_scale.shape)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return w, idx
+    _softmax_route_kernel[(T,)](logits, expert_scale.contiguous(), idx, w, logits.stride(0), E,
+                                BLOCK_E=_next_pow2(E), TOP_K=top_k, BLOCK_K=_next_pow2(top_k),
+                                num_warps=ROUTE_WARPS)
+    return w, idx

@@ -14,6 +14,7 @@ from fluxlab.engine.layers.fp8 import fp8_linears, fp8_moe, num_blocks, quantize
 from fluxlab.engine.layers.quantization import Fp8Linear
 from fluxlab.kernels import gemma_norm  # CUDA bf16: the norms fused with their adds and RoPE
 from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
+from fluxlab.kernels.route_topk import HAVE_TRITON, softmax_topk_from_logits
 
 
 class GemmaRMSNorm(nn.Module):
@@ -159,6 +160,9 @@ class GemmaRouter(nn.Module):
         else:  # float64 sums: a 1-token row alone takes torch's CPU gemv, which rounds otherwise than
             # the same row in a batch; FP8 layers downstream would turn that ulp into a moved e4m3 code
             scores = (scaled.double() @ self.proj.weight.double().t()).to(scaled.dtype)
+        if scores.is_cuda and scores.dtype in (torch.bfloat16, torch.float16) and HAVE_TRITON:
+            # the ops below in one program a token (kernels/route_topk.py); fp32 and CPU keep them
+            return softmax_topk_from_logits(scores, self.top_k, self.per_expert_scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
