@@ -23,7 +23,8 @@ BENCH="--graphs on --batch-sizes 1,16 --concurrency 1 --steps 16 --prompt-tokens
 if [[ $STEPS == *A* ]]; then
   t "A: gpu tests"
   A_TESTS=${A_TESTS:-"tests/test_canvas_moe.py tests/test_canvas_matmul.py tests/test_canvas_stats.py
-    tests/test_canvas_gemma_norm.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py"}
+    tests/test_canvas_gemma_norm.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py
+    tests/test_canvas_route.py tests/test_canvas_attention.py"}
   timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings $A_TESTS \
     > "$OUT/dg_gpu_tests.log" 2>&1
   echo "A exit $?"
