@@ -15,6 +15,7 @@ from fluxlab.engine.layers.quantization import Fp8Linear
 from fluxlab.kernels import gemma_norm  # CUDA bf16: the norms fused with their adds and RoPE
 from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
 from fluxlab.kernels.route_topk import HAVE_TRITON, softmax_topk_from_logits
+from fluxlab.kernels.swiglu import gelu_tanh_mul
 
 
 class GemmaRMSNorm(nn.Module):
@@ -134,6 +135,8 @@ class GemmaMLP(nn.Module):
             gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = project_all(x, self.gate_proj, self.up_proj)
+        if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and HAVE_TRITON and gate.dim() == 2:
+            return project(gelu_tanh_mul(gate, up), self.down_proj)  # one pass (kernels/swiglu.py)
         return project(F.gelu(gate, approximate="tanh") * up, self.down_proj)
 
 
