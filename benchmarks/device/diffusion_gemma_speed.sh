@@ -25,7 +25,7 @@ if [[ $STEPS == *A* ]]; then
   A_TESTS=${A_TESTS:-"tests/test_canvas_moe.py tests/test_canvas_matmul.py tests/test_canvas_stats.py
     tests/test_canvas_gemma_norm.py tests/test_gpu_diffusion_gemma_invariance.py tests/test_canvas_graphs.py
     tests/test_canvas_route.py tests/test_canvas_attention.py tests/test_swiglu.py"}
-  timeout ${A_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings $A_TESTS \
+  timeout ${A_TIMEOUT:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider -p no:warnings $A_TESTS \
     > "$OUT/dg_gpu_tests.log" 2>&1
   echo "A exit $?"
   grep -E "^(FAILED|ERROR)|^E |passed|failed|error" "$OUT/dg_gpu_tests.log" | cut -c1-300 | tail -25
