@@ -97,7 +97,7 @@ if HAVE_TRITON:
         e = tl.arange(0, BLOCK_E)
         valid = e < E
         NONE: tl.constexpr = -9223372036854775807 - 1
-        logits = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf"))
+        logits = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
         shifted = tl.exp(logits - tl.max(logits, axis=0))
         probs = shifted / tl.sum(shifted, axis=0)
         key = tl.where(valid, (_ordered(probs) << 32) | (BLOCK_E - 1 - e).to(tl.int64), NONE)
@@ -151,7 +151,6 @@ def softmax_topk_from_logits(logits: torch.Tensor, top_k: int, expert_scale: tor
     """Diffusion-Gemma's router after its GEMM (module doc): logits [T, E] (any float dtype) ->
     (topk_weight [T, top_k] fp32, topk_idx [T, top_k] int64), as GemmaRouter.route returns them."""
     T, E = logits.shape
-    logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     assert 1 <= top_k <= E and expert_scale.shape == (E,), (top_k, E, expert_scale.shape)

@@ -14,7 +14,7 @@ from fluxlab.engine.layers.fp8 import fp8_linears, fp8_moe, num_blocks, quantize
 from fluxlab.engine.layers.quantization import Fp8Linear
 from fluxlab.kernels import gemma_norm  # CUDA bf16: the norms fused with their adds and RoPE
 from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
-from fluxlab.kernels.route_topk import HAVE_TRITON, softmax_topk_from_logits
+from fluxlab.kernels.route_topk import softmax_topk_from_logits
 from fluxlab.kernels.swiglu import gelu_tanh_mul
 
 
@@ -135,8 +135,9 @@ class GemmaMLP(nn.Module):
             gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = project_all(x, self.gate_proj, self.up_proj)
-        if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and HAVE_TRITON and gate.dim() == 2:
-            return project(gelu_tanh_mul(gate, up), self.down_proj)  # one pass (kernels/swiglu.py)
+        if _fused_ok(gate):  # one pass (kernels/swiglu.py); fp32 and CPU keep torch's two ops
+            n = gate.shape[-1]
+            return project(gelu_tanh_mul(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape), self.down_proj)
         return project(F.gelu(gate, approximate="tanh") * up, self.down_proj)
 
 
@@ -163,8 +164,7 @@ class GemmaRouter(nn.Module):
         else:  # float64 sums: a 1-token row alone takes torch's CPU gemv, which rounds otherwise than
             # the same row in a batch; FP8 layers downstream would turn that ulp into a moved e4m3 code
             scores = (scaled.double() @ self.proj.weight.double().t()).to(scaled.dtype)
-        if scores.is_cuda and scores.dtype in (torch.bfloat16, torch.float16) and HAVE_TRITON:
-            # the ops below in one program a token (kernels/route_topk.py); fp32 and CPU keep them
+        if _fused_ok(scores):  # the ops below in one program a token (kernels/route_topk.py); fp32 and CPU keep them
             return softmax_topk_from_logits(scores, self.top_k, self.per_expert_scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
@@ -258,6 +258,7 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 def _fused_ok(x: torch.Tensor) -> bool:
+    """CUDA bf16/fp16 with triton: where this file's Triton kernels (MoE, router, GeGLU) replace torch ops."""
     from fluxlab.kernels.fused_moe import HAVE_TRITON
 
     return HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
