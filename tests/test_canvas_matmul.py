@@ -34,6 +34,9 @@ def _interpreter_checks() -> None:
     check(130, 64, 130, torch.float32, "cpu", gen, rows=(1, 2))  # several row and column tiles
     import fluxlab.kernels.invariant_matmul as im
 
+    im.SMALL_ROWS, im.SMALL_TILES[(33, 70)] = 8, (64, 16, 4, 1)  # 5 rows on small tiles, 15 on the default
+    check(5, 70, 33, torch.float32, "cpu", gen)
+
     im.SLICE_K = 256  # a long reduction at interpreter speed: K = 700 -> 3 slices
     check(3, 700, 17, torch.float32, "cpu", gen, transposed=True)  # split K, a [K, N] view
     print("interpreter checks ok")
@@ -42,6 +45,15 @@ def _interpreter_checks() -> None:
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")
 def test_invariant_matmul_matches_linear_interpreter():
     run_interpreter_checks(__file__)
+
+
+def test_every_tile_has_64_rows_or_more():
+    """Row-count tiles keep a row's bits only on 64+-row tiles (module doc): 32-row tiles changed bits in
+    the canvas attention's H200 sweep."""
+    import fluxlab.kernels.invariant_matmul as im
+
+    tiles = [im.DEFAULT_TILE, *im.SMALL_TILES.values(), *im.LARGE_TILES.values()]
+    assert len(tiles) > 2 and all(block_m >= 64 for block_m, *_ in tiles), tiles
 
 
 @pytest.mark.gpu

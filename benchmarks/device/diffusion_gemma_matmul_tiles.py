@@ -1,13 +1,15 @@
 """Tile sweep of the batch-invariant matmul (fluxlab/kernels/invariant_matmul.py) at 26B-A4B shapes (GPU).
 
 For each weight shape a denoising step multiplies by (per step: 25 sliding + 5 full layers, the
-self-conditioning MLP, the head), times each tile config at 256 rows (batch 1) and 4096 (batch 16)
-with triton's do_bench (median, L2 flushed), and checks whether the config's output equals the
-default config's bit for bit (a config may only be chosen per weight shape, never per row count).
+self-conditioning MLP, the head), times each tile config at 256 rows (batch 1) and 4096 (batch 16;
+env ROWS=256,512,... for others) with triton's do_bench (median, L2 flushed), and checks whether the config's output equals the
+default config's bit for bit (invariant_matmul.tile_for picks by weight shape and row count: every
+config must give the default's bits).
 Prints a table per shape and the step's total ms per config, then the best config per shape (by
 256 + 4096-row time). Usage: python3 benchmarks/device/diffusion_gemma_matmul_tiles.py [out.json]
 """
 import json
+import os
 import sys
 
 import torch
@@ -22,9 +24,9 @@ import fluxlab.kernels.invariant_matmul as im
 SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192): 5, (4224, 2816): 30,
           (2112, 2816): 2, (2816, 2112): 31, (128, 2816): 30, (262144, 2816): 1}
 CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x64": (128, 64, 64, 4, 4),
-           "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "64x256": (64, 256, 64, 8, 3),
-           "128x128k128": (128, 128, 128, 8, 3)}
-ROWS = (256, 4096)
+           "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "128x128k128": (128, 128, 128, 8, 3),
+           "128x128s4": (128, 128, 64, 8, 4), "64x32": (64, 32, 64, 4, 4)}
+ROWS = tuple(int(r) for r in os.environ.get("ROWS", "256,4096").split(","))
 
 
 def run(x, w, cfg):

@@ -3,11 +3,18 @@
 cuBLAS picks its algorithm per shape: at 256 rows (one Diffusion-Gemma canvas) a narrow or deep
 product (the router's 128 columns, the self-conditioning input's 262144-long reduction) may run
 split-K, at 16384 rows not, so the same row sums its products in another order and rounds
-differently, and a request's tokens would depend on the batch it runs in. Here every call uses one
-tile config (`BLOCK_M/N/K`, warps, stages), and the reduction of each output element is
-K-chunks of BLOCK_K in order into one fp32 accumulator: a function of K alone. Products with a long
-reduction are cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials
-`_sum_slices_kernel` adds in slice order, elementwise: never a number that depends on the rows.
+differently, and a request's tokens would depend on the batch it runs in. Here the reduction of each
+output element is K-chunks of BLOCK_K (one value for every call) in order into one fp32 accumulator,
+whatever the tile's columns, warps or stages, and whatever its rows from 64 up: the tensor cores add
+each chunk in k16 steps in order, so a row's bits are a function of K alone. (Tiles of 16 or 32 rows
+take another MMA instruction on sm90, whose order inside a k16 step may differ: the canvas attention's
+sweep of 2026-12-04 saw 32-row tiles change bits against 64-row ones. Every tile here has 64+ rows.) The output tile may therefore follow the row count
+(`tile_for`: small tiles for one or two canvases, where the default leaves most SMs idle); no tile of
+the H200 sweeps (2026-12-03/04, 11 configs x 9 shapes x 256/4096 rows) changed a bit, and
+tests/test_canvas_matmul.py checks rows alone (small tiles) against rows among 2048 and 16384
+(default tiles). Products with a long reduction are cut into a number of K-slices fixed by K
+(`splits_for`), whose fp32 partials `_sum_slices_kernel` adds in slice order, elementwise: never a
+number that depends on the rows.
 
 (Slicing narrow weights by shape, with a canvas's slices in programs of their own and a large batch's
 walked by one program -- the same sums -- was measured on an H200 on 2026-12-04: -0.9 ms a step at
@@ -23,17 +30,19 @@ import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
 
-BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES, GROUP_M = 128, 128, 64, 8, 3, 8
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by weight shape (N, K), never by the row count M:
-# narrow weights give few programs at one canvas (256 rows). Filled from device sweeps
-# (benchmarks/device/diffusion_gemma_matmul_tiles.py); shapes not listed use the default above.
-# H200, us at 256 / 4096 rows (2026-12-03): the router's 128 columns 27 / 29 -> 17 / 30; the dense
-# gate and up 32 / 88 -> 23 / 94 (now the self-conditioning MLP's only: the layers' gate and up run
-# fused, 4224 rows, on the default tiles until a sweep says otherwise). Larger weights keep the default
-# (smaller tiles win ~20% at 256 rows there but lose 30-45% at 4096). No config of the sweep changed a
-# bit of the output.
-TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {(128, 2816): (64, 64, 64, 4, 4),
-                                                                (2112, 2816): (128, 64, 64, 4, 4)}
+BLOCK_K, GROUP_M = 64, 8  # BLOCK_K is the reduction's chunk: one value, never per shape or row count
+DEFAULT_TILE = (128, 128, 8, 3)  # (BLOCK_M, BLOCK_N, warps, stages)
+SMALL_ROWS = 512  # up to two canvases take SMALL_TILES
+# By weight shape (N, K), in the engine's layout (fused q/k/v 8192 or 9216 rows, fused gate/up 4224).
+# H200 sweep 2026-12-04 (benchmarks/device/diffusion_gemma_matmul_tiles.py; docs/benchmarks/
+# 2026-12-04_h200_diffusion_gemma_matmul_tiles.txt), us at 256 rows, default -> this: q/k/v 35 -> 30,
+# o 40 -> 28 and 72 -> 51 (full layers), gate/up 31 -> 23, down 22 -> 17, router 17 -> 16; ~0.9 ms a
+# step at one canvas. At 4096 rows the default wins every shape but the router's 128 columns.
+SMALL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (8192, 2816): (64, 128, 4, 4), (2816, 4096): (64, 64, 4, 4), (2816, 8192): (64, 64, 4, 4),
+    (4224, 2816): (64, 64, 4, 4), (2112, 2816): (64, 64, 4, 4), (2816, 2112): (64, 64, 4, 4),
+    (128, 2816): (64, 32, 4, 4)}
+LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {(128, 2816): (64, 64, 4, 4)}
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
 
 if HAVE_TRITON:
@@ -95,6 +104,12 @@ def splits_for(k: int) -> int:
     return max(1, -(-k // SLICE_K)) if k > 2 * SLICE_K else 1
 
 
+def tile_for(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of an [m, k] x [k, n] product: free to follow m (module doc)."""
+    table = SMALL_TILES if m <= SMALL_ROWS else LARGE_TILES
+    return table.get((n, k), DEFAULT_TILE)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x.dtype, fp32 accumulation, batch-invariant (module doc)."""
     if not HAVE_TRITON:
@@ -102,17 +117,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     N, K_w = w.shape
     assert K == K_w, (x.shape, w.shape)
-    block_m, block_n, block_k, warps, stages = TILES.get((N, K), (BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES))
+    block_m, block_n, warps, stages = tile_for(M, N, K)
     splits = splits_for(K)
     k_per_split = -(-K // splits)
-    k_per_split = -(-k_per_split // block_k) * block_k
+    k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
     splits = -(-K // k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
     _matmul_kernel[grid](x, w, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_K=block_k, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps,
+                         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps,
                          num_stages=stages)
     if splits > 1:
         block = 1024
