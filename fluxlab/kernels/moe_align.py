@@ -44,7 +44,7 @@ except Exception:  # pragma: no cover - triton absent on the CPU CI image
     tl = None
     HAVE_TRITON = False
 
-SINGLE_CHUNK_MAX = 2048  # slots aligned by one program (256 tokens at top-8)
+SINGLE_CHUNK_MAX = 1024  # slots aligned by one program (128 tokens at top-8)
 CHUNK = 512              # slots per program above that
 
 
