@@ -1,11 +1,11 @@
 """Tile sweep of Diffusion-Gemma's fused bf16 MoE (gelu-tanh) at 26B-A4B shapes (GPU), for a per-batch config.
 
-The canvas MoE runs one config at every token count (layers.canvas_moe_config) so a token's output
-does not depend on the batch; at batch 16 it is 2.4x its FLOP floor (docs/benchmarks.md). A config chosen
+The canvas MoE's config follows the token count (layers.canvas_moe_config) only where a token's output
+does not depend on it; at batch 16 it is 2.4x its FLOP floor (docs/benchmarks.md). A config chosen
 by token count keeps that property only if it gives every token the bits the batch-1 config gives.
-This times candidate configs at 256 tokens (one canvas, 2048 slots) and 4096 (16 canvases) and checks,
-for each, whether the first canvas's rows inside the 4096-token batch equal that canvas run alone
-through the current config, bit for bit. Random bf16 weights (E 128, top-8, H 2816, I 704), random routing.
+This times candidate configs at 256 tokens (one canvas, 2048 slots), 1024 and 4096 (16 canvases) and
+checks, for each, whether the first canvas's rows inside the batch equal that canvas run alone through
+the one-canvas config, bit for bit. Random bf16 weights (E 128, top-8, H 2816, I 704), random routing.
 Usage: python3 benchmarks/device/diffusion_gemma_moe_tiles.py [out.json]
 """
 import dataclasses
@@ -19,22 +19,26 @@ from fluxlab.kernels.fused_moe import fused_moe
 from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
 E, TOP_K, H, I = 128, 8, 2816, 704
-CANVAS, TOKENS = 256, (256, 4096)
+CANVAS, TOKENS = 256, (256, 1024, 4096)
 DEVICE = "cuda"
-CURRENT = canvas_moe_config()
+CURRENT = canvas_moe_config(CANVAS)
+R = dataclasses.replace
 CANDIDATES = {
     "current": CURRENT,
-    "bm64 n128": dataclasses.replace(CURRENT, BLOCK_N1=128, WARPS1=8),
-    "bm64 s4": dataclasses.replace(CURRENT, STAGES1=4, STAGES2=4),
-    "bm64 k64": dataclasses.replace(CURRENT, BLOCK_K1=64, STAGES1=4),
-    "bm128": dataclasses.replace(CURRENT, BLOCK_M=128, SHRINK1=1, SHRINK2=1),
-    "bm128 n128 w8": dataclasses.replace(CURRENT, BLOCK_M=128, BLOCK_N1=128, WARPS1=8, WARPS2=8, SHRINK1=1,
-                                         SHRINK2=1),
-    "bm128 n128 w8 s4": dataclasses.replace(CURRENT, BLOCK_M=128, BLOCK_N1=128, WARPS1=8, WARPS2=8, STAGES1=4,
-                                            STAGES2=4, SHRINK1=1, SHRINK2=1),
-    "bm128 n2 256": dataclasses.replace(CURRENT, BLOCK_M=128, BLOCK_N1=128, WARPS1=8, BLOCK_N2=256, WARPS2=8,
-                                        SHRINK1=1, SHRINK2=1),
-    "bm64 tma": dataclasses.replace(CURRENT, TMA1=1, TMA2=1),
+    "s4": R(CURRENT, STAGES1=4, STAGES2=4),
+    "s4 tma": R(CURRENT, STAGES1=4, STAGES2=4, TMA1=1, TMA2=1),
+    "bm32 s4": R(CURRENT, BLOCK_M=32, SHRINK1=1, SHRINK2=1, STAGES1=4, STAGES2=4),
+    "k64 s4": R(CURRENT, BLOCK_K1=64, STAGES1=4),
+    "k64 s4 d-s4": R(CURRENT, BLOCK_K1=64, STAGES1=4, STAGES2=4),
+    "k64 s5": R(CURRENT, BLOCK_K1=64, STAGES1=5),
+    "k64 s4 g16": R(CURRENT, BLOCK_K1=64, STAGES1=4, GROUP_M=16),
+    "n128 k64": R(CURRENT, BLOCK_N1=128, BLOCK_K1=64),
+    "n128 k64 w8 s4": R(CURRENT, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8, STAGES1=4),
+    "bm128 k64 s4": R(CURRENT, BLOCK_M=128, SHRINK1=1, SHRINK2=1, BLOCK_K1=64, STAGES1=4),
+    "bm128 n128 k64 w8": R(CURRENT, BLOCK_M=128, SHRINK1=1, SHRINK2=1, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8,
+                           WARPS2=8),
+    "bm128 k64 d256 w8": R(CURRENT, BLOCK_M=128, SHRINK1=1, SHRINK2=1, BLOCK_K1=64, STAGES1=4, BLOCK_N2=256,
+                           WARPS2=8),
 }
 
 

@@ -198,12 +198,12 @@ class GemmaExperts(nn.Module):
     def _fused(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """CUDA bf16/fp16: the fused Triton MoE with gelu-tanh (sync-free, graph-capturable). Sums in
         another order than transformers' loop (fp32 over the slots, rounded once), so bf16 rounding
-        differs; fp32 parity uses the loop. One tile config for every token count
-        (`CANVAS_MOE_CONFIG`): a token's output must not depend on how many others share the batch."""
+        differs; fp32 parity uses the loop. The tile config follows the token count only in what leaves a
+        token's bits alone (`canvas_moe_config`)."""
         from fluxlab.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, index, weights, self.gate_up_proj, self.down_proj, config=canvas_moe_config(),
-                         activation="gelu_tanh")
+        return fused_moe(x, index, weights, self.gate_up_proj, self.down_proj,
+                         config=canvas_moe_config(x.shape[0]), activation="gelu_tanh")
 
     def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The loop's sums with static shapes: every expert runs on every token and adds its output
@@ -264,20 +264,28 @@ def _fused_ok(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def canvas_moe_config():
-    """The fused MoE's tile config for this model, whatever the token count (batch invariance: the
-    LLaDA2 path's per-token-count table would change a token's K-chunking with the batch). 26B-A4B:
-    H=2816 = 22 x 128, I=704 = 11 x 64. BLOCK_M 64 shrinking to 32/16 rows keeps the weight reads of
-    a batch-1 canvas (~16 rows an expert) near one pass and reuses each strip 4x at batch 16;
-    FLUXLAB_FUSED_MOE_CONFIG overrides fields (device sweeps)."""
+def canvas_moe_config(tokens: int):
+    """The fused MoE's tile config for `tokens` tokens. 26B-A4B: H=2816 = 22 x 128, I=704 = 11 x 64.
+    BLOCK_M 64 shrinking to 32/16 rows keeps the weight reads of a canvas (~16 rows an expert) near one
+    pass. More canvases take taller, narrower-K tiles. Batch invariance: a token's bits must not depend on
+    the config its batch gets; on an H200 (2026-12-04, benchmarks/device/diffusion_gemma_moe_tiles.py)
+    every candidate gave a canvas inside 1024 and 4096 tokens the bits of that canvas alone, and the
+    GPU test (tests/test_gpu_diffusion_gemma_invariance.py, 1/8/64 canvases) crosses all three configs.
+    ms a layer at 256 / 1024 / 4096 tokens, the one config before: 0.415 / 0.510 / 1.259; these: 0.405,
+    0.478, 1.106. FLUXLAB_FUSED_MOE_CONFIG overrides fields (device sweeps)."""
     import dataclasses
     import json
     import os
 
     from fluxlab.kernels.fused_moe import MoEConfig
 
-    cfg = MoEConfig(BLOCK_M=64, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=3, BLOCK_N2=128, BLOCK_K2=64,
-                    WARPS2=4, STAGES2=3, GROUP_M=8, SHRINK1=2, SHRINK2=2)
+    cfg = MoEConfig(BLOCK_M=64, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=4, BLOCK_N2=128, BLOCK_K2=64,
+                    WARPS2=4, STAGES2=4, GROUP_M=8, SHRINK1=2, SHRINK2=2)
+    if tokens > 2048:
+        cfg = dataclasses.replace(cfg, BLOCK_M=128, SHRINK1=1, SHRINK2=1, BLOCK_N1=128, BLOCK_K1=64, WARPS1=8,
+                                  STAGES1=3, WARPS2=8, STAGES2=3)
+    elif tokens > 512:
+        cfg = dataclasses.replace(cfg, BLOCK_K1=64, STAGES2=3)
     env = os.environ.get("FLUXLAB_FUSED_MOE_CONFIG")
     return dataclasses.replace(cfg, **json.loads(env)) if env else cfg
 
