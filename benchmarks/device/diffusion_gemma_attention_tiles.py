@@ -1,6 +1,6 @@
 """Diffusion-Gemma canvas attention alone, one layer of each type at 26B-A4B shapes (one H200): torch sdpa over
 gathered keys + masks (PagedCanvasAttention, today's path) vs kernels/canvas_attention.py, and the kernel's tile
-configs (BLOCK_M, BLOCK_N, warps, stages) by head dim. Rows denoise a canvas of 256 over `prefix` cached keys
+configs (BLOCK_M, BLOCK_N, warps, stages) by head dim, each checked bit for bit against the default config. Rows denoise a canvas of 256 over `prefix` cached keys
 (the bench's second canvas: 256 prompt + 256 committed = 512). Also the per-forward metadata (masks or not).
 
     python benchmarks/device/diffusion_gemma_attention_tiles.py OUT.json [--prefix 512]
@@ -22,8 +22,11 @@ from fluxlab.models.diffusion_gemma.paged_attention import (CanvasKVCache, Canva
 
 L, WINDOW, HEADS = 256, 1024, 16
 LAYERS = {"sliding": (8, 256, True), "full": (2, 512, False)}  # KV heads, head dim, sliding
-CANDIDATES = {256: [(64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3)],
-              512: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 8, 2), (32, 64, 8, 2), (64, 64, 8, 1), (16, 64, 4, 2)]}
+# the default's BLOCK_N first: a query tile of other rows (BLOCK_M) walks the same key blocks, so its bits
+# should equal the default's ('same' column); another BLOCK_N sums in another order
+CANDIDATES = {256: [(64, 64, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3),
+                    (128, 64, 8, 2), (64, 32, 4, 2)],
+              512: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 1), (32, 64, 8, 2)]}
 
 
 def time_ms(fn, repeats: int = 20) -> float:
@@ -60,7 +63,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     args = parser.parse_args()
     results = []
-    print(f"{'batch':>5} {'layer':>8} {'what':>22} {'ms':>8} {'max|d|':>9}")
+    print(f"{'batch':>5} {'layer':>8} {'what':>22} {'ms':>8} {'max|d|':>9} {'same':>5}")
     for batch in [int(b) for b in args.batches.split(",")]:
         for name, (kv_heads, head_dim, sliding) in LAYERS.items():
             cache, rows, q, k, v = setup(batch, args.prefix, kv_heads, head_dim, sliding)
@@ -76,20 +79,22 @@ def main() -> None:
             kernel = PagedCanvasAttention(cache, [sliding], kernel=True)
             kernel.begin(build_canvas_metadata(rows, L, WINDOW, device, masks=False))
             default = ca.CONFIGS[head_dim]
+            reference = kernel.forward(0, q, k, v).clone()
             for config in CANDIDATES[head_dim]:
                 ca.CONFIGS[head_dim] = config
                 try:
-                    err = (kernel.forward(0, q, k, v).float() - want.float()).abs().max().item()
+                    got = kernel.forward(0, q, k, v)
+                    err, same = (got.float() - want.float()).abs().max().item(), torch.equal(got, reference)
                     ms = time_ms(lambda: kernel.forward(0, q, k, v))
                 except Exception as e:  # noqa: BLE001 - a config out of registers / shared memory
-                    err, ms = float("nan"), float("nan")
+                    err, ms, same = float("nan"), float("nan"), None
                     print(f"  {config}: {type(e).__name__}: {str(e)[:120]}")
                 tag = "kernel " + ",".join(map(str, config)) + (" *" if config == default else "")
-                results.append(dict(batch=batch, layer=name, what=tag, ms=ms, err=err))
+                results.append(dict(batch=batch, layer=name, what=tag, ms=ms, err=err, same=same))
             ca.CONFIGS[head_dim] = default
             for r in results:
                 if r["batch"] == batch and r["layer"] == name:
-                    print(f"{batch:>5} {name:>8} {r['what']:>22} {r['ms']:>8.3f} {r.get('err', float('nan')):>9.2e}")
+                    print(f"{batch:>5} {name:>8} {r['what']:>22} {r['ms']:>8.3f} {r.get('err', float('nan')):>9.2e} {str(r.get('same', '')):>5}")
     with open(args.out, "w") as f:
         json.dump(dict(prefix=args.prefix, window=WINDOW, canvas=L, heads=HEADS, results=results), f, indent=1)
     print("(* = the default config; a step runs 25 sliding and 5 full layers)")

@@ -3,7 +3,7 @@
 # A: GPU tests of the canvas kernels and Diffusion-Gemma batch invariance; B: which ops are batch-invariant
 # (benchmarks/device/diffusion_gemma_invariance_probe.py); C: kernel profile of a denoising step at batch 1
 # and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
-# `git archive` of the commit before this round; BASE=dir names another) then this tree, in one call; T: the
+# `git archive` of the commit before this round; BASE="dir1 dir2" names others) then this tree, in one call; T: the
 # invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py); M: the fused MoE's tile sweep at 1 and 16
 # canvases with the bit check a per-batch config needs (diffusion_gemma_moe_tiles.py). Outputs under $OUT.
 # Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
@@ -41,16 +41,19 @@ if [[ $STEPS == *C* ]]; then
   echo "C exit $?"; grep -v "^\[" "$OUT/dg_profile.log" | tail -42 | cut -c1-150
 fi
 if [[ $STEPS == *D* ]]; then
-  if [[ -d $BASE ]]; then
-    t "D1: bench, baseline tree $BASE $(cat $BASE/COMMIT 2>/dev/null)"
-    (cd $BASE && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_base.json") \
-      > "$OUT/dg_bench_base.log" 2>&1
-    echo "D1 exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_base.log" | head -5
-  fi
+  names=""
+  for base in $BASE; do  # BASE may name several trees: "a b" -> dg_bench_a.json, dg_bench_b.json
+    [[ -d $base ]] || continue
+    name=$(basename $base); name=${name#.}; names="$names $name"
+    t "D1: bench, baseline tree $base"
+    (cd $base && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_$name.json") \
+      > "$OUT/dg_bench_$name.log" 2>&1
+    echo "D1 exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_$name.log" | head -5
+  done
   t "D2: bench, this tree"
   timeout 150 python3 -m fluxlab.bench.canvas $BENCH --out "$OUT/dg_bench_new.json" > "$OUT/dg_bench_new.log" 2>&1
   echo "D2 exit $?"; grep -E "Traceback|Error" "$OUT/dg_bench_new.log" | head -5
-  for f in base new; do
+  for f in $names new; do
     echo "== $f"; [[ -f $OUT/dg_bench_$f.json ]] && python3 -c "import json, sys; from fluxlab.bench.canvas import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/dg_bench_$f.json" 2>&1 | tail -8
   done
 fi
