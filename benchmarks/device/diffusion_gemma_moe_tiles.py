@@ -6,7 +6,9 @@ by token count keeps that property only if it gives every token the bits the bat
 This times candidate configs at 256 tokens (one canvas, 2048 slots), 1024 and 4096 (16 canvases) and
 checks, for each, whether the first canvas's rows inside the batch equal that canvas run alone through
 the one-canvas config, bit for bit. Random bf16 weights (E 128, top-8, H 2816, I 704), random routing.
-Usage: python3 benchmarks/device/diffusion_gemma_moe_tiles.py [out.json]
+`--fp8`: the same for the FP8 fused MoE (kernels/fp8_moe.py, weights quantized to e4m3 with 128x128 block
+scales), whose candidates keep 64+-row tiles (wgmma; kernels/fp8_moe.py FP8MoEConfig).
+Usage: python3 benchmarks/device/diffusion_gemma_moe_tiles.py [--fp8] [out.json]
 """
 import dataclasses
 import json
@@ -15,6 +17,8 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from fluxlab.engine.layers.fp8 import quantize_blocks, quantize_stacked
+from fluxlab.kernels.fp8_moe import FP8MoEConfig, fp8_fused_moe
 from fluxlab.kernels.fused_moe import fused_moe
 from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
@@ -40,6 +44,18 @@ CANDIDATES = {
     "bm128 k64 d256 w8": R(CURRENT, BLOCK_M=128, SHRINK1=1, SHRINK2=1, BLOCK_K1=64, STAGES1=4, BLOCK_N2=256,
                            WARPS2=8),
 }
+FP8_CURRENT = FP8MoEConfig()
+FP8_CANDIDATES = {
+    "current": FP8_CURRENT,
+    "s4": R(FP8_CURRENT, STAGES1=4, STAGES2=4),
+    "w4": R(FP8_CURRENT, WARPS1=4, WARPS2=4),
+    "g16": R(FP8_CURRENT, GROUP_M=16),
+    "d256": R(FP8_CURRENT, BLOCK_N2=256),
+    "bm128": R(FP8_CURRENT, BLOCK_M=128),
+    "bm128 s4": R(FP8_CURRENT, BLOCK_M=128, STAGES1=4, STAGES2=4),
+    "bm128 d256": R(FP8_CURRENT, BLOCK_M=128, BLOCK_N2=256),
+    "bm128 g16": R(FP8_CURRENT, BLOCK_M=128, GROUP_M=16),
+}
 
 
 def case(tokens, gen):
@@ -50,20 +66,33 @@ def case(tokens, gen):
 
 
 def main():
+    fp8 = "--fp8" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--fp8"]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
     w_down = (torch.randn(E, H, I, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+    if fp8:
+        gate_up_q, down_q = quantize_stacked(w_gate_up, 2), quantize_blocks(w_down)
+        candidates, current = FP8_CANDIDATES, FP8_CURRENT
+
+        def moe(x, index, weights, cfg):
+            return fp8_fused_moe(x, index, weights, *gate_up_q, *down_q, config=cfg, activation="gelu_tanh")
+    else:
+        candidates, current = CANDIDATES, CURRENT
+
+        def moe(x, index, weights, cfg):
+            return fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation="gelu_tanh")
     batch = case(max(TOKENS), gen)
     x, index, weights = (t[:CANVAS] for t in batch)
-    alone = fused_moe(x, index, weights, w_gate_up, w_down, config=CURRENT, activation="gelu_tanh")
+    alone = moe(x, index, weights, current)
     results = {}
-    for name, cfg in CANDIDATES.items():
+    for name, cfg in candidates.items():
         row = {}
         for tokens in TOKENS:
             x, index, weights = (t[:tokens] for t in batch)
 
             def run(cfg=cfg, x=x, index=index, weights=weights):
-                return fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation="gelu_tanh")
+                return moe(x, index, weights, cfg)
             try:
                 out = run()
                 row[f"same_{tokens}"] = torch.equal(out[:CANVAS], alone)
@@ -79,10 +108,10 @@ def main():
     print("bits: the first canvas's rows equal that canvas alone through the current config")
     print("floors, ms a layer: " + ", ".join(
         f"{t} tokens {flops[t] / 989e12 * 1e3:.3f} (FLOPs at 989 TFLOP/s)" for t in TOKENS)
-        + f"; weights {(3 * E * I * H * 2) / 4.8e12 * 1e3:.3f} (bytes at 4.8 TB/s)")
-    if len(sys.argv) > 1:
-        json.dump({k: {**v, "config": dataclasses.asdict(CANDIDATES[k])} for k, v in results.items()},
-                  open(sys.argv[1], "w"), indent=1)
+        + f"; weights {(3 * E * I * H * (1 if fp8 else 2)) / 4.8e12 * 1e3:.3f} (bytes at 4.8 TB/s)")
+    if args:
+        json.dump({k: {**v, "config": dataclasses.asdict(candidates[k])} for k, v in results.items()},
+                  open(args[0], "w"), indent=1)
 
 
 if __name__ == "__main__":
