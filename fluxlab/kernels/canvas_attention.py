@@ -38,12 +38,11 @@ else:
 
 # (BLOCK_M, BLOCK_N, warps, stages) by padded head dim, never by rows. 26B-A4B: sliding layers 256,
 # full layers 512 (acc [64, 512] fp32 = 128 registers a thread at 8 warps; K and V blocks [32, 512]
-# bf16 = 64 KiB a stage). Not tuned on a GPU yet: FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}'
-# overrides entries for a sweep. A config changes the summation order: pick one, never per batch. (BLOCK_M
-# alone reorders no product sum, but on an H200 on 2026-12-04 query tiles of 32 or 16 rows (another MMA
-# instruction than 64-row tiles, another layout for the softmax's row sums) changed bits against the 64-row
-# default; benchmarks/device/
-# diffusion_gemma_attention_tiles.py, docs/benchmarks/2026-12-04_h200_canvas_attention_tiles.txt.)
+# bf16 = 64 KiB a stage). FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}' overrides entries for a
+# sweep. A config changes the summation order: pick one, never per batch. H200 sweep, 2026-12-04 (benchmarks/
+# device/diffusion_gemma_attention_tiles.py, docs/benchmarks/2026-12-04_h200_canvas_attention_tiles.txt): these
+# are the fastest configs that keep their bits at 1, 2 and 16 canvases; query tiles of 32 or 16 rows (another
+# MMA instruction than 64-row tiles, another layout for the softmax's row sums) changed bits against them.
 # fp32 operands take twice the shared memory: on an H200 fp32 at 256 and 512 needs 459 and 271 KiB of
 # the 227 KiB a block may have, so a launch the device refuses steps down (`_smaller`) once per
 # (head dim, dtype, device) and keeps what fitted: still one config per engine, whatever the batch.
