@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fluxlab.engine.layers.fp8 import fp8_linears, fp8_moe, num_blocks, quantize_blocks, quantize_stacked
+from fluxlab.engine.layers.fp8 import (BLOCK, fp8_linear, fp8_linears, fp8_moe, num_blocks, quantize_blocks,
+                                       quantize_stacked)
 from fluxlab.engine.layers.quantization import Fp8Linear
 from fluxlab.kernels import gemma_norm  # CUDA bf16: the norms fused with their adds and RoPE
 from fluxlab.kernels.invariant_matmul import linear  # CUDA bf16: batch-invariant (kernels/invariant_matmul.py)
@@ -49,20 +50,38 @@ def project_all(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     return [project(x, layer) for layer in layers]
 
 
-def fuse_linears(*layers: nn.Linear) -> torch.Tensor:
-    """One weight [sum of N, K] whose row blocks the layers' weights become views of. A batch-invariant
-    matmul by it computes every layer's output at once, each element summed over K as its own layer's
-    would be (tile configs change no output bit: benchmarks/device/diffusion_gemma_matmul_tiles.py).
-    At one canvas (256 rows) q, k and v alone launch 64, 32 and 32 programs of 128 x 128 on 132 SMs and
-    each waits on its own K loop; fused they fill one wave (H200 sweep, 2026-12-03: 32 + 29 + 29 us
-    apart, 35 us for a weight of their fused shape)."""
-    fused = torch.cat([layer.weight.detach() for layer in layers])
-    start = 0
-    for layer in layers:
-        rows = layer.weight.shape[0]
-        layer.weight.data = fused[start:start + rows]
-        start += rows
-    return fused
+def fuse_linears(*layers: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight [sum of N, K] whose row blocks the layers' weights become views of, and for `Fp8Linear`s
+    one `weight_scale_inv` grid the same way; None where the layers cannot share one (mixed kinds; FP8
+    layers whose rows are not whole 128-row blocks, so a block would hold two layers' rows under one
+    scale). A matmul by it computes every layer's output at once, each element summed over K as its own
+    layer's would be (the batch-invariant matmul's tiles change no output bit:
+    benchmarks/device/diffusion_gemma_matmul_tiles.py; the FP8 GEMM reads an output column's own weight
+    row and scale block). At one canvas (256 rows) q, k and v alone launch 64, 32 and 32 programs of
+    128 x 128 on 132 SMs and each waits on its own K loop; fused they fill one wave (H200 sweep,
+    2026-12-03: 32 + 29 + 29 us apart, 35 us for a weight of their fused shape)."""
+    if all(type(layer) is nn.Linear for layer in layers):
+        names = ("weight",)
+    elif all(isinstance(layer, Fp8Linear) and layer.weight.shape[0] % BLOCK == 0 for layer in layers):
+        names = ("weight", "weight_scale_inv")
+    else:
+        return None
+    fused = []
+    for name in names:
+        whole = torch.cat([getattr(layer, name).detach() for layer in layers])
+        start = 0
+        for layer in layers:
+            param = getattr(layer, name)
+            rows = param.shape[0]
+            param.data = whole[start:start + rows]
+            start += rows
+        fused.append(whole)
+    return fused[0], (fused[1] if len(fused) > 1 else None)
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
+    """x by a `fuse_linears` weight: the batch-invariant matmul, or the FP8 GEMM with its scales."""
+    return linear(x, weight) if scale_inv is None else fp8_linear(x, weight, scale_inv)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -91,6 +110,7 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(head_dim, eps)
         self.v_norm = GemmaRMSNorm(head_dim, eps, with_scale=False)
         self.qkv_weight: torch.Tensor | None = None  # fuse_projections_: q, k (and v) rows of one weight
+        self.qkv_scale_inv: torch.Tensor | None = None  # and their FP8 scale blocks (model.quantization=fp8)
         self.qkv_sizes: list[int] = []  # its row blocks, in that order
 
     def projections(self) -> list[nn.Module]:
@@ -98,14 +118,15 @@ class GemmaAttention(nn.Module):
 
     def fuse_projections_(self) -> None:
         projections = self.projections()
-        if all(type(layer) is nn.Linear for layer in projections):
+        fused = fuse_linears(*projections)
+        if fused is not None:
             self.qkv_sizes = [layer.weight.shape[0] for layer in projections]
-            self.qkv_weight = fuse_linears(*projections)
+            self.qkv_weight, self.qkv_scale_inv = fused
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[0]
         if self.qkv_weight is not None:
-            q, k_raw, *v = linear(x, self.qkv_weight).split(self.qkv_sizes, dim=-1)
+            q, k_raw, *v = fused_linear(x, self.qkv_weight, self.qkv_scale_inv).split(self.qkv_sizes, dim=-1)
         else:
             q, k_raw, *v = project_all(x, *self.projections())
         q = q.view(n, self.num_heads, self.head_dim)
@@ -125,14 +146,16 @@ class GemmaMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # fuse_projections_: gate and up rows of one weight
+        self.gate_up_scale_inv: torch.Tensor | None = None  # and their FP8 scale blocks (whole blocks only)
 
     def fuse_projections_(self) -> None:
-        if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        fused = fuse_linears(self.gate_proj, self.up_proj)
+        if fused is not None:
+            self.gate_up_weight, self.gate_up_scale_inv = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = fused_linear(x, self.gate_up_weight, self.gate_up_scale_inv).chunk(2, dim=-1)
         else:
             gate, up = project_all(x, self.gate_proj, self.up_proj)
         if _fused_ok(gate):  # one pass (kernels/swiglu.py); fp32 and CPU keep torch's two ops

@@ -96,8 +96,9 @@ class DiffusionGemmaModel(nn.Module):
 
     def fuse_projections_(self) -> "DiffusionGemmaModel":
         """Every attention's q/k/v and dense MLP's gate/up as one weight each (layers.fuse_linears): the
-        CUDA half-precision path, where the batch-invariant matmul computes them. FP8 layers keep their
-        shared activation quantization instead."""
+        CUDA half-precision path, where the batch-invariant matmul or the FP8 GEMM computes them. FP8
+        layers fuse where every part is whole 128-row blocks (26B-A4B: q/k/v yes; gate/up, 2112 rows,
+        no: those keep one shared activation quantization for two GEMMs)."""
         for module in self.modules():
             if isinstance(module, (GemmaAttention, GemmaMLP)):
                 module.fuse_projections_()
