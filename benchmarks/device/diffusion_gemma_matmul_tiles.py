@@ -6,7 +6,10 @@ env ROWS=256,512,... for others) with triton's do_bench (median, L2 flushed), an
 default config's bit for bit (invariant_matmul.tile_for picks by weight shape and row count: every
 config must give the default's bits).
 Prints a table per shape and the step's total ms per config, then the best config per shape (by
-256 + 4096-row time). Usage: python3 benchmarks/device/diffusion_gemma_matmul_tiles.py [out.json]
+256 + 4096-row time). `--fp8`: the same for the FP8 GEMM (kernels/fp8_gemm.py, e4m3 weights with 128x128
+block scales, BLOCK_K = 128) at model.quantization=fp8's shapes (q/k/v fused, gate and up apart; the head and
+the self-conditioning product stay bf16), for a row-count tile table there.
+Usage: python3 benchmarks/device/diffusion_gemma_matmul_tiles.py [--fp8] [out.json]
 """
 import json
 import os
@@ -17,6 +20,8 @@ import triton
 from triton.testing import do_bench
 
 import fluxlab.kernels.invariant_matmul as im
+from fluxlab.engine.layers.fp8 import quantize_blocks
+from fluxlab.kernels.fp8_gemm import fp8_matmul
 
 # (N, K): count per step, in the engine's layout (model.fuse_projections_): a sliding layer's q, k, v as one
 # 8192-row weight (4096 + 2 x 2048), a full layer's q and k (k = v) as 9216 (8192 + 1024), each layer's dense
@@ -27,6 +32,12 @@ CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x
            "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "128x128k128": (128, 128, 128, 8, 3),
            "128x128s4": (128, 128, 64, 8, 4), "64x32": (64, 32, 64, 4, 4)}
 ROWS = tuple(int(r) for r in os.environ.get("ROWS", "256,4096").split(","))
+# model.quantization=fp8: (N, K) count per step; configs (BLOCK_M, BLOCK_N, warps, stages), 64+ rows (wgmma)
+FP8_SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192): 5, (2112, 2816): 62,
+              (2816, 2112): 31}
+FP8_CONFIGS = {"default": (64, 64, 4, 4), "64x128": (64, 128, 4, 4), "128x64": (128, 64, 4, 4),
+               "128x128": (128, 128, 8, 3), "128x128w4": (128, 128, 4, 3), "64x256": (64, 256, 8, 3),
+               "128x256": (128, 256, 8, 3), "64x64s3": (64, 64, 4, 3)}
 
 
 def run(x, w, cfg):
@@ -41,43 +52,51 @@ def run(x, w, cfg):
     return out
 
 
+def run_fp8(x, w, cfg):
+    return fp8_matmul(x, *w, tiles=cfg)
+
+
 def main():
+    fp8 = "--fp8" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--fp8"]
+    shapes, configs, run_cfg = (FP8_SHAPES, FP8_CONFIGS, run_fp8) if fp8 else (SHAPES, CONFIGS, run)
     torch.manual_seed(0)
     results = {}
-    totals = {(name, m): 0.0 for name in CONFIGS for m in ROWS}
-    for (n, k), count in SHAPES.items():
+    totals = {(name, m): 0.0 for name in configs for m in ROWS}
+    for (n, k), count in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w = quantize_blocks(w) if fp8 else w
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = run(x, w, CONFIGS["default"])
-            for name, cfg in CONFIGS.items():
+            ref = run_cfg(x, w, configs["default"])
+            for name, cfg in configs.items():
                 try:
-                    out = run(x, w, cfg)
+                    out = run_cfg(x, w, cfg)
                     same = torch.equal(out, ref)
-                    ms = do_bench(lambda: run(x, w, cfg), warmup=10, rep=40, return_mode="median")
+                    ms = do_bench(lambda: run_cfg(x, w, cfg), warmup=10, rep=40, return_mode="median")
                 except Exception as err:  # noqa: BLE001 - e.g. out of shared memory
                     same, ms = None, float("inf")
                     print(f"{name} at {n}x{k}: {type(err).__name__}: {str(err)[:100]}")
                 results[f"{n}x{k}@{m}/{name}"] = {"ms": ms, "same_bits": same}
                 totals[(name, m)] += count * ms
-    print(f"\n{'shape':>14} {'rows':>5} " + " ".join(f"{c:>12}" for c in CONFIGS))
-    for (n, k) in SHAPES:
+    print(f"\n{'shape':>14} {'rows':>5} " + " ".join(f"{c:>12}" for c in configs))
+    for (n, k) in shapes:
         for m in ROWS:
             cells = []
-            for name in CONFIGS:
+            for name in configs:
                 r = results[f"{n}x{k}@{m}/{name}"]
                 cells.append(f"{r['ms'] * 1e3:>10.0f}{'' if r['same_bits'] else '!'}{' ' if r['same_bits'] else ''}")
             print(f"{n:>7}x{k:<6} {m:>5} " + " ".join(f"{c:>12}" for c in cells))
     print("(us; '!' = bits differ from the default config)")
     print(f"\nstep total ms ({' / '.join(map(str, ROWS))} rows):")
-    for name in CONFIGS:
+    for name in configs:
         print(f"  {name:>12}: " + " / ".join(f"{totals[(name, m)]:.2f}" for m in ROWS))
     best = {}
-    for (n, k), count in SHAPES.items():
-        best[f"{n}x{k}"] = min(CONFIGS, key=lambda c: sum(count * results[f"{n}x{k}@{m}/{c}"]["ms"] for m in ROWS))
+    for (n, k), count in shapes.items():
+        best[f"{n}x{k}"] = min(configs, key=lambda c: sum(count * results[f"{n}x{k}@{m}/{c}"]["ms"] for m in ROWS))
     print("best config per shape (256 + 4096 rows):", best)
-    if len(sys.argv) > 1:
-        json.dump({"results": results, "best": best}, open(sys.argv[1], "w"), indent=1)
+    if args:
+        json.dump({"results": results, "best": best}, open(args[0], "w"), indent=1)
 
 
 if __name__ == "__main__":

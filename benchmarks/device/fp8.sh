@@ -6,7 +6,7 @@
 # denoising step at batch 1 and 16 (denoise ms, forward ms) and one served stream; $OUT/dg_canvas_{none,fp8}.json.
 # DG=1 TESTS=0 fits one 600 s call (two 26B builds, graph capture at 1 and 16 rows).
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py tests/test_fp8_diffusion_gemma_exact.py \
+  timeout 240 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py tests/test_fp8_diffusion_gemma_exact.py tests/test_fp8_fused_projections.py \
     -p no:cacheprovider > $OUT/pytest.log 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed|Error" $OUT/pytest.log | tail -8
 fi
