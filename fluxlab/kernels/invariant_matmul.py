@@ -6,16 +6,16 @@ split-K, at 16384 rows not, so the same row sums its products in another order a
 differently, and a request's tokens would depend on the batch it runs in. Here the reduction of each
 output element is K-chunks of BLOCK_K (one value for every call) in order into one fp32 accumulator,
 whatever the tile's columns, warps or stages, and whatever its rows from 64 up: the tensor cores add
-each chunk in k16 steps in order, so a row's bits are a function of K alone. Every tile here has 64+
-rows, the range the sweeps checked: on sm90 a 16- or 32-row tile takes another MMA instruction (not
-warpgroup MMA), and the canvas attention's sweep of 2026-12-04 saw 32-row query tiles change bits
-against 64-row ones (cause not isolated: that instruction, or its row sums' reduction layout). The output tile may therefore follow the row count
-(`tile_for`: small tiles for one or two canvases, where the default leaves most SMs idle); no tile of
-the H200 sweeps (2026-12-03/04, 11 configs x 9 shapes x 256/4096 rows) changed a bit, and
-tests/test_canvas_matmul.py checks rows alone (small tiles) against rows among 2048 and 16384
-(default tiles). Products with a long reduction are cut into a number of K-slices fixed by K
-(`splits_for`), whose fp32 partials `_sum_slices_kernel` adds in slice order, elementwise: never a
-number that depends on the rows.
+each chunk in k16 steps in order, so a row's bits are a function of K alone. The output tile may
+therefore follow the row count (`tile_for`: small tiles for one or two canvases, where the default
+leaves most SMs idle). No tile of the H200 sweeps (2026-12-03/04, up to 11 configs x 9 shapes x
+256..4096 rows) changed a bit, and tests/test_canvas_matmul.py checks rows alone (small tiles) against
+rows among 2048 and 16384 (default tiles). Every tile has 64+ rows, the range the sweeps checked: on
+sm90 a 16- or 32-row tile takes another MMA instruction (not warpgroup MMA), and the canvas
+attention's sweep of 2026-12-04 saw 32-row query tiles change bits against 64-row ones (cause not
+isolated: that instruction, or its row sums' reduction layout). Products with a long reduction are
+cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials `_sum_slices_kernel` adds
+in slice order, elementwise: never a number that depends on the rows.
 
 (Slicing narrow weights by shape, with a canvas's slices in programs of their own and a large batch's
 walked by one program -- the same sums -- was measured on an H200 on 2026-12-04: -0.9 ms a step at
