@@ -221,3 +221,10 @@ def test_untied_layer_scalars_load_per_pass(ckpt, tmp_path):
     assert err(_encode(ours, kv, prompt, 0), ref_hidden) < TOL
     ref_logits = ref(decoder_input_ids=canvas[None], cache=cache).logits[0]
     assert err(_denoise(ours, kv, canvas, len(prompt)), ref_logits) < TOL
+
+
+def test_dense_beside_experts_needs_cuda_and_zero_turns_it_off(ours):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ours.dense_beside_experts_(256)
+    ours.dense_beside_experts_(0)
+    assert all(layer.side_stream is None and layer.side_max_tokens == 0 for layer in ours.layers)

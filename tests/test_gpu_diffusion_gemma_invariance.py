@@ -58,18 +58,22 @@ def _request(i: int) -> tuple[list[int], object]:
     return prompt, SamplingParams(max_new_tokens=max_new, seed=i, ignore_eos=True)
 
 
-def test_a_requests_tokens_do_not_depend_on_the_batch(llm):
+def _target_in_batch(llm, size: int) -> list[int]:
+    """The target request's tokens, first in a batch of `size` (the others: `_request`)."""
     from fluxlab.engine.request import SamplingParams
 
     target = ([5 + (7 * j) % 4000 for j in range(100)], SamplingParams(max_new_tokens=2 * CANVAS, seed=12345,
                                                                       ignore_eos=True))
-    results = {}
-    for size in (1, 8, 64):
-        others = [_request(i) for i in range(1, size)]
-        prompts = [target[0]] + [p for p, _ in others]
-        params = [target[1]] + [s for _, s in others]
-        results[size] = llm.generate(prompts, params)[0].token_ids
-        assert len(results[size]) == 2 * CANVAS
+    others = [_request(i) for i in range(1, size)]
+    prompts = [target[0]] + [p for p, _ in others]
+    params = [target[1]] + [s for _, s in others]
+    token_ids = llm.generate(prompts, params)[0].token_ids
+    assert len(token_ids) == 2 * CANVAS
+    return token_ids
+
+
+def test_a_requests_tokens_do_not_depend_on_the_batch(llm):
+    results = {size: _target_in_batch(llm, size) for size in (1, 8, 64)}
     runner = llm.engine.runner
     assert runner.num_graph_forwards > 0 and runner.num_eager_forwards > 0  # both paths met
     # the bf16 engine runs q/k/v and gate/up fused (model.fuse_projections_), as the speed benchmarks do
@@ -77,3 +81,21 @@ def test_a_requests_tokens_do_not_depend_on_the_batch(llm):
                for layer in runner.model.layers)
     assert results[8] == results[1], "batch of 8"
     assert results[64] == results[1], "batch of 64"
+
+
+def test_the_dense_mlp_beside_the_experts_changes_no_token(llm):
+    """DiffusionGemmaModel.dense_beside_experts_: the dense MLP on a second stream, forked and joined inside
+    the captured graphs; the same kernels on the same inputs, so the same tokens (a missing join is a race)."""
+    runner = llm.engine.runner
+    one_stream = {size: _target_in_batch(llm, size) for size in (1, 8)}
+    runner.model.dense_beside_experts_(1 << 20)
+    runner.graphs.release()  # captured again, now with the fork and join
+    try:
+        graph_forwards = runner.num_graph_forwards
+        two_streams = {size: _target_in_batch(llm, size) for size in (1, 8)}
+        assert runner.num_graph_forwards > graph_forwards
+    finally:
+        runner.model.dense_beside_experts_(0)
+        runner.graphs.release()
+    assert all(layer.side_stream is None for layer in runner.model.layers)
+    assert two_streams == one_stream

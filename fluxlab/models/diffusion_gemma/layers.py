@@ -6,6 +6,8 @@ rounding. The attention math itself lives behind `CanvasAttentionBackend` (diffu
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -332,6 +334,8 @@ class GemmaDecoderLayer(nn.Module):
         # transformers ties every encoder/decoder text weight except this buffer: one per pass.
         self.register_buffer("layer_scalar", torch.ones(1))  # canvas (decoder) pass
         self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder pass
+        self.side_stream: torch.cuda.Stream | None = None  # DiffusionGemmaModel.dense_beside_experts_
+        self.side_max_tokens = 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
                 encoder: bool | torch.Tensor, static: bool = False,
@@ -374,9 +378,15 @@ class GemmaDecoderLayer(nn.Module):
         x, dense_in, experts_in, router_in = gemma_norm.attn_residual(
             attn_out, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
             self.pre_feedforward_layernorm_2.weight, self.router.scale, self.router.root_size, eps)
-        dense = self.mlp(dense_in)
+        side = self.side_stream if x.shape[0] <= self.side_max_tokens else None
+        if side is not None:  # the dense MLP on its own stream, from here to the join below
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            dense = self.mlp(dense_in)
         weights, index = self.router.route(router_in)
         routed = self.experts(experts_in, weights, index, static)
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
         if scalar is None:
             scalar = torch.ones(1, dtype=x.dtype, device=x.device)
         return gemma_norm.ffn_residual(dense, routed, x, self.post_feedforward_layernorm_1.weight,

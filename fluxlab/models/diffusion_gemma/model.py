@@ -104,6 +104,22 @@ class DiffusionGemmaModel(nn.Module):
                 module.fuse_projections_()
         return self
 
+    def dense_beside_experts_(self, max_tokens: int) -> "DiffusionGemmaModel":
+        """Forwards of at most `max_tokens` tokens run each layer's dense MLP on a second CUDA stream
+        beside its router and routed experts (0: never). Both read the same normed residual and meet in
+        the closing norm, so the values are the one-stream forward's, bit for bit (same kernels, same
+        inputs); what may change is time: at one canvas the experts stream weight bytes while the dense
+        GEMMs want tensor cores (SGLang runs DeepSeek's shared experts beside the routed ones so). The
+        CUDA half-precision path only (the fused feed-forward); a CUDA graph captures the fork and join.
+        Off unless called: benchmarks/device/diffusion_gemma_overlap.py measures it."""
+        device = self.embed_tokens.weight.device
+        if max_tokens > 0 and device.type != "cuda":
+            raise ValueError(f"dense_beside_experts_({max_tokens}): a second stream needs a CUDA device, not {device}")
+        stream = torch.cuda.Stream(device) if max_tokens > 0 else None
+        for layer in [*self.layers, *(self.encoder_layers or [])]:
+            layer.side_stream, layer.side_max_tokens = stream, max_tokens
+        return self
+
     @property
     def layer_is_sliding(self) -> list[bool]:
         return [t == "sliding_attention" for t in self.layer_types]
