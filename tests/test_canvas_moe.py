@@ -33,7 +33,8 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, gen):
 
 
 def _interpreter_checks() -> None:
-    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig
 
     gen = torch.Generator().manual_seed(0)
     small = MoEConfig(BLOCK_M=64, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=16, BLOCK_K2=32, GROUP_M=2, SHRINK1=2, SHRINK2=2)

@@ -22,7 +22,8 @@ def _routing(num_tokens, num_experts, top_k, gen):
 def _interpreter_checks() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess."""
     from fluxlab.engine.layers.moe import moe_reference
-    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig
 
     gen = torch.Generator().manual_seed(0)
     small = MoEConfig(BLOCK_M=32, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=16, BLOCK_K2=32, GROUP_M=2)
@@ -72,7 +73,8 @@ def _check_combine_adds_with_torch_roundings(gen) -> None:
     """The combine pass (slot sum, then the shared expert and the residual added) equals torch's
     `(sum.to(bf16) + shared) + residual` bit for bit. Slot values are multiples of 2**-6 below 4, so
     their fp32 sum is exact in any order and only the roundings are under test."""
-    from fluxlab.kernels.fused_moe import MoEConfig, combine_slots, fused_moe
+    from fluxlab.kernels.fused_moe import combine_slots, fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig
 
     num_tokens, top_k, hidden = 6, 4, 1100  # hidden past one 1024-column block: the masked tail
     for dt in (torch.bfloat16, torch.float32):
@@ -158,7 +160,8 @@ def _check_counting_sort_align_gives_the_scan_align_outputs_bit_for_bit(gen):
     import functools
 
     from fluxlab.engine.layers.moe import moe_reference
-    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig
     from fluxlab.kernels.moe_align import moe_align, moe_align_scan
 
     cfg = MoEConfig(BLOCK_M=16, BLOCK_N1=32, BLOCK_K1=32, BLOCK_N2=32, BLOCK_K2=32, GROUP_M=2)
@@ -191,7 +194,8 @@ def _check_shrunk_row_tiles_give_the_full_tiles_values(gen):
     """SHRINK1/2: row tiles whose rows fit in half / a quarter of BLOCK_M run a GEMM of that height;
     every output equals the full-height kernel's and the reference's (masked K tails included)."""
     from fluxlab.engine.layers.moe import moe_reference
-    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig
 
     for num_experts, hidden, inter, top_k, num_tokens in ((8, 64, 32, 2, 40), (4, 64, 32, 2, 150), (4, 80, 48, 2, 45)):
         x = torch.randn(num_tokens, hidden, generator=gen)
@@ -215,7 +219,8 @@ def _check_tma_weight_tiles_match_the_reference(gen):
     """TMA1/TMA2: weight tiles through a tensor descriptor over [E*N, K], with N and K tails (the
     rows past an expert's N belong to the next expert, or are past the end: masked on store)."""
     from fluxlab.engine.layers.moe import moe_reference
-    from fluxlab.kernels.fused_moe import MoEConfig, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig
 
     for num_experts, hidden, inter, top_k, num_tokens in ((4, 80, 48, 2, 45), (8, 64, 32, 2, 40)):
         x = torch.randn(num_tokens, hidden, generator=gen)
@@ -259,7 +264,7 @@ def test_grouped_mm_moe_matches_moe_forward_cpu():
 def test_tuned_table_gives_the_config_of_the_nearest_tuned_token_count(tmp_path, monkeypatch):
     import json
 
-    from fluxlab.kernels import fused_moe as fm
+    from fluxlab.kernels import moe_config as fm
 
     monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
     shape = fm.shape_key(256, 2048, 512, 8, torch.bfloat16)
@@ -275,7 +280,7 @@ def test_tuned_table_gives_the_config_of_the_nearest_tuned_token_count(tmp_path,
 
 
 def test_a_shrink_below_sixteen_rows_is_refused_naming_the_key():
-    from fluxlab.kernels.fused_moe import MoEConfig
+    from fluxlab.kernels.moe_config import MoEConfig
 
     assert MoEConfig(BLOCK_M=64, SHRINK1=2).SHRINK1 == 2
     with pytest.raises(ValueError, match="SHRINK2=1 with BLOCK_M=16"):
@@ -288,7 +293,7 @@ def test_shipped_tables_hold_only_valid_configs():
     import dataclasses
     import json
 
-    from fluxlab.kernels.fused_moe import CONFIG_DIR, MoEConfig
+    from fluxlab.kernels.moe_config import CONFIG_DIR, MoEConfig
 
     fields = {f.name for f in dataclasses.fields(MoEConfig)}
     for path in CONFIG_DIR.glob("*.json"):
@@ -408,7 +413,8 @@ def test_shrunk_row_tiles_give_the_full_height_bits_on_gpu(num_tokens):
     import dataclasses
 
     from fluxlab.engine.layers.moe import moe_forward
-    from fluxlab.kernels.fused_moe import MoEConfig, default_config, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig, default_config
     from fluxlab.kernels.moe_align import moe_align_scan
 
     x, idx, wts, w_gate_up, w_down = _gpu_case(2048, 512, num_tokens)
@@ -438,7 +444,8 @@ def test_shrunk_row_tiles_give_the_full_height_bits_on_gpu(num_tokens):
 @pytest.mark.parametrize("tuned_for", [2048, 4096, None])   # the shipped table's configs; BM 128 + SHRINK 1
 def test_a_tokens_output_does_not_depend_on_the_other_tokens_in_the_batch(tuned_for):
     from fluxlab.bench.moe_layer import probe_batches
-    from fluxlab.kernels.fused_moe import MoEConfig, default_config, fused_moe
+    from fluxlab.kernels.fused_moe import fused_moe
+    from fluxlab.kernels.moe_config import MoEConfig, default_config
 
     _, _, _, w_gate_up, w_down = _gpu_case(2048, 512, 1)
     batches = probe_batches(2048)

@@ -6,7 +6,8 @@ before the combine pass took the adds). Run on a GPU from the repository root: p
 import sys, torch
 from fluxlab.models.llada2.model import LLaDA2MoeConfig, LLaDA2MoeSparseMoeBlock
 from fluxlab.engine.layers.moe import StackedExperts
-from fluxlab.kernels.fused_moe import fused_moe, default_config
+from fluxlab.kernels.fused_moe import fused_moe
+from fluxlab.kernels.moe_config import default_config
 torch.manual_seed(0)
 dev = torch.device("cuda")
 c = LLaDA2MoeConfig()

@@ -93,7 +93,7 @@ def measure_ceilings() -> dict:
 
 
 def _sweep_configs():
-    from fluxlab.kernels.fused_moe import MoEConfig
+    from fluxlab.kernels.moe_config import MoEConfig
     out = []
     for bm in (16, 32, 64):
         for bn, bk, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 4), (32, 256, 4, 3)):
@@ -137,7 +137,7 @@ def probe_batches(hidden: int, num_experts: int = 256, top_k: int = 8, sizes=(20
 
 def _variants(base):
     """(name, config, align) to time against the previous kernel (base: the table's config, no shrink)."""
-    from fluxlab.kernels.fused_moe import MoEConfig
+    from fluxlab.kernels.moe_config import MoEConfig
     from fluxlab.kernels.moe_align import moe_align, moe_align_scan
 
     out = [("old", base, moe_align_scan), ("new align", base, moe_align)]
@@ -160,7 +160,8 @@ def _old_vs_new_row(t: int, iters: int, ceil: dict, weights, probes, dev, bf) ->
     import triton
 
     from fluxlab.engine.layers.moe import moe_forward, route
-    from fluxlab.kernels.fused_moe import default_config, down_stage, fused_moe, gate_up_stage
+    from fluxlab.kernels.fused_moe import down_stage, fused_moe, gate_up_stage
+    from fluxlab.kernels.moe_config import default_config
     from fluxlab.kernels.moe_align import moe_align_scan
 
     w_gate_up, w_down, gate_w, bias = weights
@@ -226,7 +227,7 @@ def old_vs_new(tokens: list[int], iters: int, table_out: str | None, device: str
                dtype: torch.dtype = torch.bfloat16) -> dict:
     import triton
 
-    from fluxlab.kernels.fused_moe import device_table_path, shape_key
+    from fluxlab.kernels.moe_config import device_table_path, shape_key
 
     torch.manual_seed(0)
     dev, bf = device, dtype
@@ -307,7 +308,8 @@ def main(argv=None) -> dict:
             return old_vs_new([int(v) for v in args.tokens.split(",")], args.iters, args.write_table)
 
     from fluxlab.engine.layers.moe import moe_forward, route
-    from fluxlab.kernels.fused_moe import default_config, fused_moe, grouped_mm_moe
+    from fluxlab.kernels.fused_moe import fused_moe, grouped_mm_moe
+    from fluxlab.kernels.moe_config import default_config
 
     t_start = time.time()
     torch.manual_seed(0)

@@ -74,8 +74,9 @@ def _best(stage: list):
 
 def tune_tokens(num_tokens: int, weights, gate, deadline: float) -> dict:
     from fluxlab.engine.layers.moe import route
-    from fluxlab.kernels.fused_moe import (MoEConfig, down_stage, fused_moe, gate_up_stage, heuristic_config,
-                                           moe_align)
+    from fluxlab.kernels.fused_moe import down_stage, fused_moe, gate_up_stage
+    from fluxlab.kernels.moe_align import moe_align
+    from fluxlab.kernels.moe_config import MoEConfig, heuristic_config
 
     w_gate_up, w_down = weights
     gate_w, bias = gate
@@ -154,7 +155,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("moe_tune needs a CUDA GPU")
     from fluxlab.bench.moe_layer import measure_ceilings
-    from fluxlab.kernels.fused_moe import device_table_path, shape_key
+    from fluxlab.kernels.moe_config import device_table_path, shape_key
 
     started = time.perf_counter()
     deadline = started + args.budget_s

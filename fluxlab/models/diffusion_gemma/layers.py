@@ -302,7 +302,7 @@ def canvas_moe_config(tokens: int):
     import json
     import os
 
-    from fluxlab.kernels.fused_moe import MoEConfig
+    from fluxlab.kernels.moe_config import MoEConfig
 
     cfg = MoEConfig(BLOCK_M=64, BLOCK_N1=64, BLOCK_K1=128, WARPS1=4, STAGES1=4, BLOCK_N2=128, BLOCK_K2=64,
                     WARPS2=4, STAGES2=4, GROUP_M=8, SHRINK1=2, SHRINK2=2)
