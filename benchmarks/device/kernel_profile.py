@@ -1,7 +1,8 @@
 """GPU kernel time per steady step of LLaDA2.0-mini shapes (random bf16, block 32, steps 8), by step kind
 (decode / commit) and kernel group, from torch.profiler's kernel records (CUDA-graph replays included).
 It runs the synchronous loop (scheduler.async_scheduling=false) so each step's kernels lie inside its
-window. Run from the repository root on a GPU: python3 benchmarks/device/kernel_profile.py BS [backend [top]]"""
+window. Run from the repository root on a GPU: python3 benchmarks/device/kernel_profile.py BS [backend [top [quantization]]]
+(quantization: none | fp8, model.quantization: e4m3 projections and experts quantized at load)."""
 import collections, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -12,11 +13,13 @@ from fluxlab.bench.roofline import forward_kind, gsm8k_prompts
 
 bs = int(sys.argv[1]); backend = sys.argv[2] if len(sys.argv) > 2 else "triton"
 TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 14  # kernels listed by name
+quantization = sys.argv[4] if len(sys.argv) > 4 else "none"
 cfg = compose("generate", ["model=llada2_mini", "model.load_format=random", "engine.device=cuda", "engine.dtype=bfloat16",
                            "decoding.block_length=32", "decoding.steps=8", f"attention={backend}", "scheduler=paged",
                            "attention.use_decode_cuda_graph=true", f"scheduler.max_num_seqs={bs}",
                            f"scheduler.max_scheduled_tokens={bs * 64}", "model.max_model_len=1024",
-                           "scheduler.enable_prefix_cache=false", "scheduler.async_scheduling=false"])
+                           "scheduler.enable_prefix_cache=false", "scheduler.async_scheduling=false",
+                           f"model.quantization={quantization}"])
 validate_config(cfg)
 eng = LLMEngine(cfg)
 for p in gsm8k_prompts(load_tokenizer(None), bs):
@@ -48,7 +51,9 @@ for e in ev:
         kernels.append((e.start_ns(), e.duration_ns(), n))
 
 def group(n):
-    for key, g in (("_gate_up_kernel", "moe gate-up"), ("_down_kernel", "moe down"), ("align", "moe align"),
+    for key, g in (("_fp8_gate_up_kernel", "fp8 moe gate-up"), ("_fp8_down_kernel", "fp8 moe down"),
+                   ("_fp8_gemm_kernel", "fp8 gemm"), ("_quantize_act_kernel", "fp8 quantize"),
+                   ("_gate_up_kernel", "moe gate-up"), ("_down_kernel", "moe down"), ("align", "moe align"),
                    ("_count_kernel", "moe align"), ("_chunk", "moe align"), ("_block_attention", "attention"),
                    ("_stats_kernel", "vocab stats"), ("_route_kernel", "router topk"), ("_qk_norm_rope", "qk-norm rope"),
                    ("rms_norm", "rms norm"), ("_combine_kernel", "moe combine"), ("_silu_mul", "silu*up"), ("Memcpy", "memcpy"), ("nvjet", "gemm"), ("gemm", "gemm"), ("Kernel2", "gemm"),
