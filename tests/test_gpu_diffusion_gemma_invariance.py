@@ -6,7 +6,8 @@ default 5:1 sliding/full pattern, a window of two canvases, full layers with the
 KV heads, 32 experts top-8, soft-cap), random weights, served in bf16 with the denoiser graphs:
 one request alone, then the same request (same prompt, same seed) first in batches of 8 and 64
 requests of other prompts, lengths (one to three canvases: eager prefills beside it), seeds and
-lengths. Its tokens must be equal in all three.
+lengths. Its tokens must be equal in all three (with the engine's defaults: at batch 1 the dense MLP runs on a
+second stream, model.dense_beside_experts_). Then one stream against two streams at every batch.
 """
 from __future__ import annotations
 
@@ -86,16 +87,17 @@ def test_a_requests_tokens_do_not_depend_on_the_batch(llm):
 def test_the_dense_mlp_beside_the_experts_changes_no_token(llm):
     """DiffusionGemmaModel.dense_beside_experts_: the dense MLP on a second stream, forked and joined inside
     the captured graphs; the same kernels on the same inputs, so the same tokens (a missing join is a race)."""
+    from fluxlab.models.diffusion_gemma.loader import DENSE_BESIDE_EXPERTS_TOKENS
+
     runner = llm.engine.runner
-    one_stream = {size: _target_in_batch(llm, size) for size in (1, 8)}
-    runner.model.dense_beside_experts_(1 << 20)
-    runner.graphs.release()  # captured again, now with the fork and join
-    try:
+    assert all(layer.side_max_tokens == DENSE_BESIDE_EXPERTS_TOKENS for layer in runner.model.layers)  # the default
+    results = {}
+    for max_tokens in (0, 1 << 20):  # one stream; two streams at every batch here
+        runner.model.dense_beside_experts_(max_tokens)
+        runner.graphs.release()  # captured again with (or without) the fork and join
         graph_forwards = runner.num_graph_forwards
-        two_streams = {size: _target_in_batch(llm, size) for size in (1, 8)}
+        results[max_tokens] = {size: _target_in_batch(llm, size) for size in (1, 8)}
         assert runner.num_graph_forwards > graph_forwards
-    finally:
-        runner.model.dense_beside_experts_(0)
-        runner.graphs.release()
-    assert all(layer.side_stream is None for layer in runner.model.layers)
-    assert two_streams == one_stream
+    runner.model.dense_beside_experts_(DENSE_BESIDE_EXPERTS_TOKENS)
+    runner.graphs.release()
+    assert results[1 << 20] == results[0]

@@ -81,7 +81,14 @@ def load_model(model_cfg, model_dir: Path | None, dtype: torch.dtype, device, se
         model = quantize_diffusion_gemma_(model) if quantization == "fp8" else model
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         model.fuse_projections_()  # fp32 and the CPU keep F.linear per projection (parity runs)
+        model.dense_beside_experts_(DENSE_BESIDE_EXPERTS_TOKENS)
     return model
+
+
+# Forwards up to this many tokens (4 canvases, or 2 rows committing a block) run the dense MLP on a second
+# stream beside the experts. H200, 26B-A4B, same build, one stream / two streams interleaved (docs/benchmarks.md):
+# batch 1 19.57, 19.48 -> 18.62, 18.52 ms (fp8 15.76, 16.28 -> 15.19, 15.23); batch 16 (4096 tokens) gained nothing.
+DENSE_BESIDE_EXPERTS_TOKENS = 1024
 
 
 def load_diffusion_gemma(path, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"):

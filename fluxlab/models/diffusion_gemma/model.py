@@ -111,7 +111,7 @@ class DiffusionGemmaModel(nn.Module):
         inputs); what may change is time: at one canvas the experts stream weight bytes while the dense
         GEMMs want tensor cores (SGLang runs DeepSeek's shared experts beside the routed ones so). The
         CUDA half-precision path only (the fused feed-forward); a CUDA graph captures the fork and join.
-        Off unless called: benchmarks/device/diffusion_gemma_overlap.py measures it."""
+        load_model turns it on up to loader.DENSE_BESIDE_EXPERTS_TOKENS (benchmarks/device/diffusion_gemma_overlap.py)."""
         device = self.embed_tokens.weight.device
         if max_tokens > 0 and device.type != "cuda":
             raise ValueError(f"dense_beside_experts_({max_tokens}): a second stream needs a CUDA device, not {device}")
