@@ -93,6 +93,25 @@ def test_fp8_moe_reference_matches_the_bf16_moe_up_to_fp8_rounding():
     assert ((got - ref).norm() / ref.norm()).item() < 0.08   # two chained e4m3 GEMMs on random data: ~6%
 
 
+def test_a_shared_expert_in_the_last_slot_is_added_after_the_rounded_routed_sum():
+    """shared_last: the stack's last expert, weight 1 in every token's last slot, is the routed sum
+    (rounded) plus that expert alone, as the separate shared expert was added (`adds[0]`)."""
+    gen = torch.Generator().manual_seed(5)
+    E, H, I, K, T = 6, 256, 128, 2, 9
+    x, idx, wts, wgu, sgu, wd, sd = _moe_case(E + 1, H, I, K, T, gen, dtype=torch.bfloat16)
+    idx = idx % E   # routed ids never pick the shared expert
+    residual = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    last = torch.full((T, 1), E)
+    got = fp8_moe_reference(x, torch.cat([idx, last], 1), torch.cat([wts, torch.ones(T, 1)], 1), wgu, sgu, wd, sd,
+                            adds=(residual,), shared_last=True)
+    routed = fp8_moe_reference(x, idx, wts, wgu[:E], sgu[:E], wd[:E], sd[:E])
+    shared = fp8_moe_reference(x, torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1), wgu[E:], sgu[E:], wd[E:],
+                               sd[E:])
+    assert torch.equal(got, (routed + shared) + residual)
+    assert not torch.equal(got, fp8_moe_reference(x, torch.cat([idx, last], 1), torch.cat([wts, torch.ones(T, 1)], 1),
+                                                  wgu, sgu, wd, sd, adds=(residual,)))   # the order is seen
+
+
 # ------------------------------------------------------------------------------- the Triton kernels
 
 def _moe_case(E, H, I, K, T, gen, device="cpu", dtype=torch.float32):
@@ -150,6 +169,13 @@ def _interpreter_checks() -> None:
     weights = [quantize_blocks(torch.randn(n, 200, generator=gen) * 0.05) for n in (192, 64, 64)]
     for got, (q, s) in zip(fp8_linears(x, weights), weights):
         assert torch.equal(got, fp8_matmul(x, q, s))
+    # a shared expert stacked last and routed as every token's last slot (`shared_last`)
+    x, idx, wts, wgu, sgu, wd, sd = _moe_case(5, 128, 128, 2, 13, gen)
+    idx, wts = torch.cat([idx % 4, torch.full((13, 1), 4)], 1), torch.cat([wts, torch.ones(13, 1)], 1)
+    residual = torch.randn_like(x)
+    got = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd, config=small, adds=(residual,), shared_last=True)
+    want = fp8_moe_reference(x, idx, wts, wgu, sgu, wd, sd, adds=(residual,), shared_last=True)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
     # expert parallel: ids == E are slots of another rank and add nothing
     x, idx, wts, wgu, sgu, wd, sd = _moe_case(8, 128, 128, 2, 7, gen)
     foreign = torch.where(idx < 4, idx, 4)
@@ -250,6 +276,34 @@ def test_fp8_rows_do_not_depend_on_the_batch_and_replay_in_a_graph():
     xs.copy_(x[32:64]), ids.copy_(idx[32:64]), ws.copy_(wts[32:64])
     graph.replay()
     assert torch.equal(out, full[32:64])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
+def test_fp8_moe_with_the_shared_expert_last_is_the_routed_sum_plus_that_expert_on_gpu():
+    """LLaDA2.0-mini's experts plus its shared expert stacked last (`fuse_shared_experts_`), bf16: the
+    routed sum rounded, plus the shared expert alone, plus the residual, bit for bit; rows alone =
+    in a batch."""
+    from fluxlab.kernels.fp8_moe import fp8_fused_moe
+
+    gen = torch.Generator().manual_seed(8)
+    E, T = 256, 2048
+    x, idx, wts, wgu, sgu, wd, sd = _moe_case(E + 1, 2048, 512, 8, T, gen, "cuda", torch.bfloat16)
+    idx = idx % E
+    residual = torch.randn(T, 2048, generator=gen).bfloat16().cuda()
+    with_shared = (torch.cat([idx, torch.full((T, 1), E, device="cuda")], 1),
+                   torch.cat([wts, torch.ones(T, 1, device="cuda")], 1))
+    full = fp8_fused_moe(x, *with_shared, wgu, sgu, wd, sd, adds=(residual,), shared_last=True)
+    routed = fp8_fused_moe(x, idx, wts, wgu, sgu, wd, sd)
+    alone = fp8_fused_moe(x, torch.full((T, 1), E, device="cuda"), torch.ones(T, 1, device="cuda"), wgu, sgu, wd, sd)
+    assert torch.equal(full, (routed + alone) + residual)
+    for rows in (1, 32, 500):
+        got = fp8_fused_moe(x[:rows], with_shared[0][:rows], with_shared[1][:rows], wgu, sgu, wd, sd,
+                            adds=(residual[:rows],), shared_last=True)
+        assert torch.equal(got, full[:rows])
+    want = fp8_moe_reference(x[:64].cpu(), with_shared[0][:64].cpu(), with_shared[1][:64].cpu(), wgu.cpu(), sgu.cpu(),
+                             wd.cpu(), sd.cpu(), adds=(residual[:64].cpu(),), shared_last=True)
+    assert ((full[:64].cpu().float() - want.float()).norm() / want.float().norm()).item() < 2e-2
 
 
 if __name__ == "__main__":

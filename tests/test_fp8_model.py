@@ -10,7 +10,8 @@ import torch
 
 from fluxlab.config.paths import ASSETS_DIR
 from fluxlab.engine.layers.fp8 import FP8_DTYPE
-from fluxlab.engine.layers.quantization import Fp8Linear, Fp8StackedExperts, fp8_checkpoint, fp8_structure_, quantize_model_
+from fluxlab.engine.layers.quantization import (Fp8Linear, Fp8StackedExperts, fp8_checkpoint, fp8_structure_,
+                                                fuse_shared_experts_, quantize_model_)
 from fluxlab.models.llada2.fp8_checkpoint import load_fp8_weights, write_fp8_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +51,36 @@ def test_fp8_forward_stays_close_to_the_bf16_forward():
         ref = _hidden(_load(torch.float32), ids).float()
         got = _hidden(quantize_model_(_load(torch.float32)), ids).float()
     assert ((got - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_the_shared_expert_rides_the_fused_moe_as_every_tokens_last_slot():
+    """fuse_shared_experts_: each MoE block's output is its routed sum, rounded, plus the shared expert
+    computed as one more expert (gate and up fp32 into the activation), plus the residual; within
+    rounding of the separate shared expert it replaces."""
+    from fluxlab.engine.layers.fp8 import fp8_moe_reference
+
+    model = quantize_model_(_load())
+    blocks = [layer.mlp for layer in model.layers if isinstance(getattr(layer.mlp, "experts", None), Fp8StackedExperts)]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, blocks[0].experts.w_gate_up.shape[-1], generator=gen).to(torch.bfloat16)
+    residual = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        separate = [block(x, residual) for block in blocks]
+        routing = [block.gate(x) for block in blocks]
+        shared = [block.shared_experts for block in blocks]
+        fuse_shared_experts_(model)
+        for block, before, (idx, weight), mlp in zip(blocks, separate, routing, shared):
+            e = block.experts
+            assert block.shared_experts is None and e.shared and e.w_gate_up.shape[0] == e.num_experts + 1
+            routed = fp8_moe_reference(x, idx, weight, e.w_gate_up[:-1], e.w_gate_up_scale_inv[:-1], e.w_down[:-1],
+                                       e.w_down_scale_inv[:-1])
+            one = torch.zeros(len(x), 1, dtype=torch.long)
+            alone = fp8_moe_reference(x, one, torch.ones(len(x), 1), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None],
+                                      torch.cat([mlp.gate_proj.weight_scale_inv, mlp.up_proj.weight_scale_inv])[None],
+                                      mlp.down_proj.weight[None], mlp.down_proj.weight_scale_inv[None])
+            got = block(x, residual)
+            assert torch.equal(got, (routed + alone) + residual)
+            assert ((got - before).float().norm() / before.float().norm()).item() < 0.02
 
 
 def test_an_fp8_checkpoint_loads_to_the_quantize_at_load_weights(tmp_path):
@@ -141,7 +172,10 @@ def test_the_engine_serves_fp8_quantized_at_load_and_from_an_fp8_checkpoint(tmp_
 
     prompts = [json.loads(line) for line in (ASSETS_DIR / "arith_test.jsonl").read_text().splitlines()][:4]
     messages = [p["messages"] for p in prompts]
-    at_load = LLM(overrides=["engine.device=cpu", "model.quantization=fp8"]).generate(messages)
+    llm = LLM(overrides=["engine.device=cpu", "model.quantization=fp8"])
+    experts = [m for m in llm.engine.model.modules() if isinstance(m, Fp8StackedExperts)]
+    assert experts and all(e.shared for e in experts)   # the shared experts ride the fused MoE
+    at_load = llm.generate(messages)
     assert sum(arith_correct(r.text, p["metadata"]["answer"]) for r, p in zip(at_load, prompts)) >= 3
     dst = write_fp8_checkpoint(MODEL_DIR, tmp_path / "fp8")
     with pytest.raises(ValueError, match="set model.quantization=fp8"):

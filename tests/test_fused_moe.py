@@ -88,6 +88,11 @@ def _check_combine_adds_with_torch_roundings(gen) -> None:
         got = combine_slots(slots, top_k, (shared, residual))
         assert got.dtype == dt and torch.equal(got, want), (dt, (got.float() - want.float()).abs().max())
         assert not torch.equal(combine_slots(slots, top_k, (residual, shared)), want) or dt == torch.float32
+        # shared_last: the last slot holds the shared expert (FP8's fused shared expert), added as shared was
+        with_shared = torch.cat([slots.view(num_tokens, top_k, hidden), shared[:, None]], 1).view(-1, hidden)
+        got = combine_slots(with_shared, top_k + 1, (residual,), shared_last=True)
+        assert torch.equal(got, want), (dt, (got.float() - want.float()).abs().max())
+        assert not torch.equal(combine_slots(with_shared, top_k + 1, (residual,)), want) or dt == torch.float32
     # through fused_moe: the adds land on the MoE output as torch would add them
     num_experts, hidden, inter, top_k, num_tokens = 8, 64, 32, 2, 5
     x = torch.randn(num_tokens, hidden, generator=gen)

@@ -169,10 +169,11 @@ if HAVE_TRITON:
 def fp8_fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                   w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
                   config: FP8MoEConfig | None = None, foreign_slots: bool = False, adds: tuple = (),
-                  activation: str = "silu") -> torch.Tensor:
+                  activation: str = "silu", shared_last: bool = False) -> torch.Tensor:
     """x [T, H], topk_idx [T, K], topk_weight [T, K] fp32, e4m3 weights with block scales (module
     doc) -> [T, H] in x.dtype. CUDA-graph capturable; `adds`, `foreign_slots` and `activation` as in
-    `fused_moe`."""
+    `fused_moe`; `shared_last` as in `combine_slots` (a shared expert stacked as the last expert and
+    routed as every token's last slot: its GEMMs ride this call's launches)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_fused_moe needs triton")
     if not x.is_cuda and not _interpret():
@@ -214,4 +215,4 @@ def fp8_fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
         num_pid_m, inter_q.stride(0), inter_s.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0),
         s_down.stride(1), slot_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=GROUP, GROUP_M=cfg.GROUP_M,
         EVEN_K=inter % GROUP == 0, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
-    return combine_slots(slot_out, top_k, adds, x.dtype)
+    return combine_slots(slot_out, top_k, adds, x.dtype, shared_last)

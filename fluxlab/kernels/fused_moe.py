@@ -237,14 +237,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(slot_ptr, add1_ptr, add2_ptr, out_ptr, H, TOPK: tl.constexpr, NUM_ADDS: tl.constexpr,
-                        BLOCK: tl.constexpr, DT: tl.constexpr):
+                        SHARED: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < H
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in tl.static_range(TOPK):
+        for k in tl.static_range(TOPK - SHARED):
             acc += tl.load(slot_ptr + (t * TOPK + k) * H + cols, mask=inside, other=0.0).to(tl.float32)
         y = _rnd(acc, DT)
+        if SHARED:  # the last slot is a shared expert's output: added as the first of `adds` would be
+            y = _rnd(y + tl.load(slot_ptr + (t * TOPK + TOPK - 1) * H + cols, mask=inside, other=0.0).to(tl.float32),
+                     DT)
         if NUM_ADDS >= 1:
             y = _rnd(y + tl.load(add1_ptr + t * H + cols, mask=inside, other=0.0).to(tl.float32), DT)
         if NUM_ADDS >= 2:
@@ -305,10 +308,11 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT
 COMBINE_BLOCK, COMBINE_WARPS = 1024, 4
 
 
-def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtype: torch.dtype | None = None
-                  ) -> torch.Tensor:
+def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtype: torch.dtype | None = None,
+                  shared_last: bool = False) -> torch.Tensor:
     """slot_out [T*K, H] -> [T, H]: the fp32 sum of each token's K slots rounded to out_dtype, plus
-    `adds` in order (kernel 4)."""
+    `adds` in order (kernel 4). shared_last: slot K-1 is a shared expert's (routing weight 1), added
+    after the rounded sum of the others and before `adds`, as `adds[0]` would be."""
     hidden = slot_out.shape[1]
     num_tokens = slot_out.shape[0] // top_k
     out_dtype = out_dtype or slot_out.dtype
@@ -322,7 +326,7 @@ def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtyp
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     first, second = (adds + (out, out))[:2]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        slot_out, first, second, out, hidden, TOPK=top_k, NUM_ADDS=len(adds), BLOCK=block,
+        slot_out, first, second, out, hidden, TOPK=top_k, NUM_ADDS=len(adds), SHARED=int(shared_last), BLOCK=block,
         DT=_tl_dtype(out_dtype), num_warps=COMBINE_WARPS)
     return out
 

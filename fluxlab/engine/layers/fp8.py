@@ -144,12 +144,13 @@ def fp8_linears(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]
 
 def fp8_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                       w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
-                      adds: tuple = (), activation: str = "silu") -> torch.Tensor:
+                      adds: tuple = (), activation: str = "silu", shared_last: bool = False) -> torch.Tensor:
     """The fused FP8 MoE's definition, expert by expert: x quantized per token group, gate and up to
     fp32, act(gate) * up rounded to x.dtype (the kernel's intermediate), quantized per token group,
     down to fp32 times the routing weight rounded to x.dtype (a slot), the K slots summed in fp32 and
     rounded, then `adds` added in order as torch adds them. Ids outside [0, E) add nothing. The
-    products are `dequantized_matmul`s: an expert's rows do not depend on which others it got."""
+    products are `dequantized_matmul`s: an expert's rows do not depend on which others it got.
+    shared_last: the last slot (a shared expert's) is left out of the sum and added before `adds`."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"fp8_moe_reference: activation {activation!r}; one of gelu_tanh, silu")
     num_tokens, top_k = topk_idx.shape
@@ -166,20 +167,22 @@ def fp8_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torc
         inter = fake_quantize_token_groups((act * up).to(dt))
         down = dequantized_matmul(inter, dequantize_blocks(w_down[e], s_down[e]))
         slots[tok, slot] = (down * topk_weight[tok, slot].float()[:, None]).to(dt)
-    y = slots.float().sum(dim=1).to(dt)
-    for a in adds:
+    routed = slots[:, :-1] if shared_last else slots
+    y = routed.float().sum(dim=1).to(dt)
+    for a in ((slots[:, -1],) if shared_last else ()) + tuple(adds):
         y = y + a
     return y
 
 
 def fp8_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w_gate_up: torch.Tensor,
             s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor, adds: tuple = (),
-            activation: str = "silu", config=None) -> torch.Tensor:
+            activation: str = "silu", config=None, shared_last: bool = False) -> torch.Tensor:
     """The FP8 routed experts: CUDA (or the interpreter) the Triton fused MoE, CPU its reference.
-    config: the kernel's FP8MoEConfig (one per model, never per batch: batch invariance)."""
+    config: the kernel's FP8MoEConfig (one per model, never per batch: batch invariance);
+    shared_last: the last slot is a shared expert's (`fp8_moe_reference`)."""
     args = (x, topk_idx, topk_weight, w_gate_up, s_gate_up, w_down, s_down)
     if use_fp8_kernel(x):
         from fluxlab.kernels.fp8_moe import fp8_fused_moe
 
-        return fp8_fused_moe(*args, config=config, adds=adds, activation=activation)
-    return fp8_moe_reference(*args, adds=adds, activation=activation)
+        return fp8_fused_moe(*args, config=config, adds=adds, activation=activation, shared_last=shared_last)
+    return fp8_moe_reference(*args, adds=adds, activation=activation, shared_last=shared_last)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fluxlab.engine.layers.fp8 import BLOCK, FP8_DTYPE, fp8_linear, fp8_moe, num_blocks, quantize_blocks, quantize_stacked
@@ -81,9 +82,14 @@ class Fp8StackedExperts(nn.Module):
         self.w_down = _param(torch.empty(num_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE, device=device))
         self.w_down_scale_inv = _param(torch.empty(num_experts, hb, nb, dtype=torch.float32, device=device))
 
+    shared = False  # whether the last stacked expert is the layer's shared expert (`fuse_shared_experts_`)
+
     def forward(self, x, topk_idx, topk_weight, adds: tuple = ()):
+        if self.shared:  # every token's last slot: the shared expert, routing weight 1
+            topk_idx = F.pad(topk_idx, (0, 1), value=self.num_experts)
+            topk_weight = F.pad(topk_weight.float(), (0, 1), value=1.0)
         return fp8_moe(x, topk_idx, topk_weight, self.w_gate_up, self.w_gate_up_scale_inv, self.w_down,
-                       self.w_down_scale_inv, adds=adds)
+                       self.w_down_scale_inv, adds=adds, shared_last=self.shared)
 
 
 def _targets(model: nn.Module):
@@ -150,6 +156,33 @@ def quantize_model_(model: nn.Module) -> nn.Module:
             fp8 = Fp8Linear.quantized(child.weight.data)
         setattr(parent, name, fp8)
         del child
+    return model
+
+
+@torch.no_grad()
+def fuse_shared_experts_(model: nn.Module) -> nn.Module:
+    """Stack each MoE block's FP8 shared expert under its routed experts, as expert E, and drop the
+    block's `shared_experts`: the shared expert then runs inside the fused MoE's launches, as every
+    token's last slot (weight 1, added after the routed sum as `adds[0]` was), instead of its own
+    quantizations, three GEMMs and an activation (seven launches a layer at decode, where launches
+    dominate). Its numbers become a routed expert's: gate and up stay fp32 into the activation (the
+    separate path rounded each to the model dtype first). Only where the shared expert's width is
+    the experts' (one shared expert); other blocks keep the separate path."""
+    for block in list(model.modules()):
+        experts, shared = getattr(block, "experts", None), getattr(block, "shared_experts", None)
+        if not isinstance(experts, Fp8StackedExperts) or experts.shared or shared is None:
+            continue
+        parts = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, Fp8Linear) for p in parts) or parts[0].out_features != experts.intermediate_size:
+            continue
+        gate, up, down = parts
+        experts.w_gate_up = _param(torch.cat([experts.w_gate_up, torch.cat([gate.weight, up.weight])[None]]))
+        experts.w_gate_up_scale_inv = _param(torch.cat([experts.w_gate_up_scale_inv, torch.cat(
+            [gate.weight_scale_inv, up.weight_scale_inv])[None]]))
+        experts.w_down = _param(torch.cat([experts.w_down, down.weight[None]]))
+        experts.w_down_scale_inv = _param(torch.cat([experts.w_down_scale_inv, down.weight_scale_inv[None]]))
+        experts.shared = True
+        block.shared_experts = None
     return model
 
 

@@ -23,7 +23,7 @@ def load_model(model_cfg, device: torch.device, dtype: torch.dtype, model_dir: O
     (model.load_format=random). TP/EP workers build their shard with the same call.
     model.quantization=fp8: an FP8 checkpoint is read as it is, other weights are quantized at load
     (fluxlab/engine/layers/quantization.py)."""
-    from fluxlab.engine.layers.quantization import fp8_checkpoint, fp8_structure_, quantize_model_
+    from fluxlab.engine.layers.quantization import fp8_checkpoint, fp8_structure_, fuse_shared_experts_, quantize_model_
     from fluxlab.models.llada2.fp8_checkpoint import load_fp8_weights
 
     fp8 = model_cfg.get("quantization", "none") == "fp8"
@@ -33,12 +33,12 @@ def load_model(model_cfg, device: torch.device, dtype: torch.dtype, model_dir: O
                              "model.quantization=fp8 to run them")
         config = read_config(model_dir)
         model = fp8_structure_(LLaDA2MoeModel(config, dtype=dtype, device=device).eval())
-        return load_fp8_weights(model, model_dir), config
+        return fuse_shared_experts_(load_fp8_weights(model, model_dir)), config
     if model_cfg.load_format == "random":
         model, config = build_random_model(model_cfg.preset, dtype, device, seed=seed)
     else:
         model, config = load_weights(model_dir, dtype, device)
-    return (quantize_model_(model) if fp8 else model), config
+    return (fuse_shared_experts_(quantize_model_(model)) if fp8 else model), config
 
 
 def model_config(model_dir: Optional[Path], preset: Optional[str]) -> LLaDA2MoeConfig:
