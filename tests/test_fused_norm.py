@@ -149,6 +149,21 @@ def _interpreter_checks() -> None:
     assert idx32.dtype == torch.int32
     assert torch.equal(idx32.long(), route(x, gw, bias, top_k=4, n_group=4, topk_group=2,
                                            routed_scaling_factor=1.0)[0])
+    # shared_id: the routed columns unchanged, then every token's slot of the shared expert, weight 1;
+    # the torch path (route_logits unfused) gives the same
+    from fluxlab.engine.layers.moe import route_logits, router_logits
+    from fluxlab.kernels.route_topk import route_topk_from_logits
+
+    x, gw, bias = _route_inputs(5, 64, 256, gen)
+    logits = router_logits(x, gw)
+    idx, wts = route_topk_from_logits(logits, bias, 8, 8, 4, 2.5)
+    idx_s, wts_s = route_topk_from_logits(logits, bias, 8, 8, 4, 2.5, shared_id=256)
+    assert idx_s.shape == (5, 9) and torch.equal(idx_s[:, :8], idx) and torch.equal(wts_s[:, :8], wts)
+    assert (idx_s[:, 8] == 256).all() and (wts_s[:, 8] == 1.0).all()
+    ref_idx, ref_w = route_logits(logits, bias, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                  shared_id=256)
+    assert torch.equal(idx_s, ref_idx)
+    torch.testing.assert_close(wts_s, ref_w, rtol=0, atol=1e-6)
     print("interpreter checks ok")
 
 

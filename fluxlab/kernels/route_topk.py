@@ -44,7 +44,7 @@ if HAVE_TRITON:
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, stride_l, scale,
                       G: tl.constexpr, GS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, TOP2: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, TOP2: tl.constexpr, SHARED_ID: tl.constexpr):
         # Every "largest, lowest index on ties" is one max over packed keys (value << 32 | ~index):
         # separate value-max, index-min and score-sum reductions made three reductions a pick.
         t = tl.program_id(0).to(tl.int64)
@@ -86,8 +86,14 @@ if HAVE_TRITON:
         if TOP_K > 1:
             out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
         out_w = out_w * scale
-        tl.store(idx_ptr + t * TOP_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
-        tl.store(w_ptr + t * TOP_K + kk, out_w, mask=kmask)
+        OUT_K: tl.constexpr = TOP_K + (SHARED_ID >= 0)
+        tl.store(idx_ptr + t * OUT_K + kk, out_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
+        tl.store(w_ptr + t * OUT_K + kk, out_w, mask=kmask)
+        if SHARED_ID >= 0:  # the shared expert's slot, weight 1, after the routed ones
+            first = kk == 0
+            tl.store(idx_ptr + t * OUT_K + TOP_K + kk, (tl.zeros_like(out_idx) + SHARED_ID).to(idx_ptr.dtype.element_ty),
+                     mask=first)
+            tl.store(w_ptr + t * OUT_K + TOP_K + kk, tl.zeros_like(out_w) + 1.0, mask=first)
 
     @triton.jit
     def _softmax_route_kernel(logits_ptr, scale_ptr, idx_ptr, w_ptr, stride_l, E,
@@ -122,8 +128,10 @@ ROUTE_WARPS = 1
 
 
 def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
-                           topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64):
-    """The router after its GEMM: logits [T, E] fp32 -> (topk_idx [T, top_k], topk_weight [T, top_k] fp32)."""
+                           topk_group: int, routed_scaling_factor: float, idx_dtype=torch.int64,
+                           shared_id: int | None = None):
+    """The router after its GEMM: logits [T, E] fp32 -> (topk_idx [T, top_k], topk_weight [T, top_k] fp32).
+    shared_id: one more column, every token's slot of that (shared) expert with weight 1 (`route_logits`)."""
     T, E = logits.shape
     logits = logits.float()
     if logits.stride(-1) != 1:
@@ -133,8 +141,9 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
     assert E % n_group == 0 and topk_group <= n_group
     gs = E // n_group
     assert top_k <= topk_group * gs
-    idx = torch.empty(T, top_k, dtype=idx_dtype, device=logits.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    width = top_k + (shared_id is not None)
+    idx = torch.empty(T, width, dtype=idx_dtype, device=logits.device)
+    w = torch.empty(T, width, dtype=torch.float32, device=logits.device)
     if T == 0:
         return idx, w
     has_bias = expert_bias is not None
@@ -143,7 +152,7 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
     _route_kernel[(T,)](logits, bias, idx, w, logits.stride(0), float(routed_scaling_factor),
                         G=n_group, GS=gs, BLOCK_G=block_g, BLOCK_GS=block_gs, TOPK_GROUP=topk_group,
                         TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
-                        num_warps=ROUTE_WARPS)
+                        SHARED_ID=-1 if shared_id is None else shared_id, num_warps=ROUTE_WARPS)
     return idx, w
 
 

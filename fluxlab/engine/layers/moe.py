@@ -33,15 +33,27 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor 
 
 def route_logits(logits: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int, n_group: int,
                  topk_group: int, routed_scaling_factor: float, expert_capacity: int = 0,
-                 routing_block_size: int = 0, fused: bool = False):
+                 routing_block_size: int = 0, fused: bool = False, shared_id: int | None = None):
     """`route` after its GEMM: fp32 logits [T, E] (rows may be strided) -> (topk_idx, topk_weight).
-    fused: the Triton top-k (the model's hidden states take the fused kernels, `use_fused`)."""
-    if expert_capacity > 0:
-        return _block_route(logits, expert_bias, top_k, expert_capacity, routing_block_size, routed_scaling_factor)
-    if fused:  # one Triton launch for everything after the GEMM (ties: lowest index first)
+    fused: the Triton top-k (the model's hidden states take the fused kernels, `use_fused`).
+    shared_id: one more column, every token's slot of that expert with weight 1 (a shared expert
+    stacked under the routed ones, engine/layers/quantization.py `fuse_shared_experts_`)."""
+    if fused and expert_capacity <= 0:  # one Triton launch for everything after the GEMM (ties: lowest index first)
         from fluxlab.kernels.route_topk import route_topk_from_logits
 
-        return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor)
+        return route_topk_from_logits(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                                      shared_id=shared_id)
+    idx, weight = _route_unfused(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                                 expert_capacity, routing_block_size)
+    if shared_id is None:
+        return idx, weight
+    return F.pad(idx, (0, 1), value=shared_id), F.pad(weight.float(), (0, 1), value=1.0)
+
+
+def _route_unfused(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor, expert_capacity,
+                   routing_block_size):
+    if expert_capacity > 0:
+        return _block_route(logits, expert_bias, top_k, expert_capacity, routing_block_size, routed_scaling_factor)
     scores = torch.sigmoid(logits)
     choice = scores + expert_bias.float() if expert_bias is not None else scores
     num_tokens, num_experts = choice.shape
@@ -310,12 +322,12 @@ class MoEGate(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
                                         requires_grad=False)
 
-    def forward(self, x):
-        return self.route(router_logits(x, self.weight), fused=use_fused(x))
+    def forward(self, x, shared_id: int | None = None):
+        return self.route(router_logits(x, self.weight), fused=use_fused(x), shared_id=shared_id)
 
-    def route(self, logits: torch.Tensor, fused: bool):
-        """fp32 router logits [T, E] -> (topk_idx, topk_weight); fused as `route_logits`."""
+    def route(self, logits: torch.Tensor, fused: bool, shared_id: int | None = None):
+        """fp32 router logits [T, E] -> (topk_idx, topk_weight); fused and shared_id as `route_logits`."""
         return route_logits(logits, self.expert_bias, top_k=self.top_k, n_group=self.n_group,
                             topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
                             expert_capacity=self.expert_capacity, routing_block_size=self.routing_block_size,
-                            fused=fused)
+                            fused=fused, shared_id=shared_id)

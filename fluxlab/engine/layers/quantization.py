@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fluxlab.engine.layers.fp8 import BLOCK, FP8_DTYPE, fp8_linear, fp8_moe, num_blocks, quantize_blocks, quantize_stacked
@@ -82,12 +81,11 @@ class Fp8StackedExperts(nn.Module):
         self.w_down = _param(torch.empty(num_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE, device=device))
         self.w_down_scale_inv = _param(torch.empty(num_experts, hb, nb, dtype=torch.float32, device=device))
 
-    shared = False  # whether the last stacked expert is the layer's shared expert (`fuse_shared_experts_`)
+    # Whether the last stacked expert is the layer's shared expert (`fuse_shared_experts_`): then the
+    # routing's last column is every token's slot of it, weight 1 (`route_logits(shared_id=...)`).
+    shared = False
 
     def forward(self, x, topk_idx, topk_weight, adds: tuple = ()):
-        if self.shared:  # every token's last slot: the shared expert, routing weight 1
-            topk_idx = F.pad(topk_idx, (0, 1), value=self.num_experts)
-            topk_weight = F.pad(topk_weight.float(), (0, 1), value=1.0)
         return fp8_moe(x, topk_idx, topk_weight, self.w_gate_up, self.w_gate_up_scale_inv, self.w_down,
                        self.w_down_scale_inv, adds=adds, shared_last=self.shared)
 

@@ -192,7 +192,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         if (self.stacked is not None and use_fused(x) and self.stacked.current()
                 and x.dtype == self.stacked.weight.dtype and mm_fp32_out_works(x.device)):
             return self._stacked_forward(x, residual)
-        topk_idx, topk_weight = self.gate(x)  # the full router on every rank: all ranks agree on the choice
+        # the full router on every rank: all ranks agree on the choice; an FP8 shared expert stacked
+        # under the routed ones (quantization.fuse_shared_experts_) gets every token's last slot
+        shared_id = self.experts.num_experts if getattr(self.experts, "shared", False) else None
+        topk_idx, topk_weight = self.gate(x, shared_id)
         if self.dispatch is not None:  # DP attention: every rank's tokens visit the experts of every rank
             x_all, idx_all, weight_all = dispatch_tokens(x, topk_idx, topk_weight, self.dispatch)
             y = combine_tokens(self.experts(x_all, idx_all, weight_all), x.shape[0], self.dispatch).to(x.dtype)
