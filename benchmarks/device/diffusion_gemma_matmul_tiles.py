@@ -8,7 +8,8 @@ config must give the default's bits).
 Prints a table per shape and the step's total ms per config, then the best config per shape (by
 256 + 4096-row time). `--fp8`: the same for the FP8 GEMM (kernels/fp8_gemm.py, e4m3 weights with 128x128
 block scales, BLOCK_K = 128) at model.quantization=fp8's shapes (q/k/v fused, gate and up apart; the head and
-the self-conditioning product stay bf16), for a row-count tile table there.
+the self-conditioning product stay bf16), for a row-count tile table there; SHAPESET=llada with --fp8: LLaDA2.0-mini's
+FP8 GEMMs at 32 and 2048 rows.
 Usage: python3 benchmarks/device/diffusion_gemma_matmul_tiles.py [--fp8] [out.json]
 """
 import json
@@ -37,7 +38,13 @@ FP8_SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192):
               (2816, 2112): 31}
 FP8_CONFIGS = {"default": (64, 64, 4, 4), "64x128": (64, 128, 4, 4), "128x64": (128, 64, 4, 4),
                "128x128": (128, 128, 8, 3), "128x128w4": (128, 128, 4, 3), "64x256": (64, 256, 8, 3),
-               "128x256": (128, 256, 8, 3), "64x64s3": (64, 64, 4, 3)}
+               "128x256": (128, 256, 8, 3), "64x64s3": (64, 64, 4, 3), "64x32": (64, 32, 4, 4),
+               "64x32s6": (64, 32, 4, 6), "32x64 (mma.sync)": (32, 64, 4, 4)}
+# SHAPESET=llada: LLaDA2.0-mini's FP8 GEMMs a forward (the fused q/k/v and the attention output of 20 layers,
+# layer 0's dense MLP; the shared experts ride the fused MoE), ROWS default 32 (batch 1) and 2048 (batch 64)
+if os.environ.get("SHAPESET") == "llada":
+    FP8_SHAPES = {(3072, 2048): 20, (2048, 2048): 20, (5120, 2048): 2, (2048, 5120): 1}
+    ROWS = tuple(int(r) for r in os.environ.get("ROWS", "32,2048").split(","))
 
 
 def run(x, w, cfg):
