@@ -29,7 +29,9 @@ import torch
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
-BLOCK_M, BLOCK_N, WARPS, STAGES, GROUP_M = 64, 64, 4, 4, 8
+# 64x128 over 64x64: the same bits (one wgmma path, the same K order), LLaDA2.0-mini's GEMMs at 2048 rows
+# 2.13 against 2.44 ms a step, H100 (benchmarks/device/diffusion_gemma_matmul_tiles.py --fp8, docs/benchmarks.md)
+BLOCK_M, BLOCK_N, WARPS, STAGES, GROUP_M = 64, 128, 4, 4, 8
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)

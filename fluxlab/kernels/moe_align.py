@@ -15,7 +15,7 @@ A counting sort in O(slots), no host sync, fixed launch sizes (CUDA-graph captur
    slot to base[c, e] + its rank among the chunk's slots of e; a slot starting a row block writes
    the block's expert; program c also writes the sentinel into the padding rows of its share of
    the experts.
-Up to SINGLE_CHUNK_MAX slots (decode) the three run in one program (`_single_chunk_align_kernel`).
+For few slots and short pads (`default_chunk`) the three run in one program (`_single_chunk_align_kernel`).
 Chunks are taken in order and each is sorted stably, so the rows are the same as the scan's:
 slots keep their original order inside an expert, and the GEMMs downstream see the same input.
 
@@ -44,8 +44,22 @@ except Exception:  # pragma: no cover - triton absent on the CPU CI image
     tl = None
     HAVE_TRITON = False
 
-SINGLE_CHUNK_MAX = 1024  # slots aligned by one program (128 tokens at top-8)
-CHUNK = 512              # slots per program above that
+SINGLE_CHUNK_MAX = 256  # slots aligned by one program (32 tokens at top-8), at BLOCK_M <= SINGLE_CHUNK_BLOCK_M
+SINGLE_CHUNK_BLOCK_M = 16
+CHUNKS, MIN_CHUNK, CHUNK = 32, 128, 512  # above that: ~CHUNKS programs of MIN_CHUNK .. CHUNK slots
+
+
+def default_chunk(num_slots: int, block_m: int) -> int:
+    """Slots per program. One program pads every expert's run in BLOCK_M - 1 dependent store rounds
+    and sorts all the slots itself, so it only wins for few slots and short pads; otherwise about
+    CHUNKS chunks run the hist/scan/scatter launches. H100, us a call under a graph
+    (benchmarks/device/moe_align_sweep.py, docs/benchmarks.md): LLaDA2.0-mini bf16 b1 (256 slots,
+    BLOCK_M 16) one program 5.3, chunks of 64 7.2; fp8 b1 (288 slots, 257 experts, BLOCK_M 64) one
+    program 15.1, chunks of 128 7.9; Diffusion-Gemma canvas (2048 slots) one program 8.9, chunks of
+    128 7.3; 16384-18432 slots: chunks of 512 11.9-14.2, of 256 14.2-16.3. The rows do not depend on it."""
+    if num_slots <= SINGLE_CHUNK_MAX and block_m <= SINGLE_CHUNK_BLOCK_M:
+        return max(16, _next_pow2(num_slots))
+    return min(CHUNK, max(MIN_CHUNK, _next_pow2(-(-num_slots // CHUNKS))))
 
 
 def _interpret() -> bool:
@@ -241,20 +255,22 @@ def _align_buffers(topk_idx: torch.Tensor, num_experts: int, block_m: int):
     return flat, sorted_ids, expert_ids, total
 
 
-def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None):
+def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None,
+              warps: int | None = None):
     """-> (sorted_ids int32 [R], expert_ids int32 [R/block_m], total int32 [1]); only the first
     `total` rows are written (padding rows hold the sentinel T*K). chunk: slots per program
-    (a power of two; default: one program up to SINGLE_CHUNK_MAX slots, else CHUNK)."""
+    (a power of two; default: `default_chunk`); warps: the
+    single program's warps (benchmarks; the rows are the same whatever chunk and warps are)."""
     flat, sorted_ids, expert_ids, total = _align_buffers(topk_idx, num_experts, block_m)
     n = flat.numel()
     width = _next_pow2(num_experts + 1)  # one bin per expert plus "nowhere"
     if chunk is None:
-        chunk = max(16, _next_pow2(n)) if n <= SINGLE_CHUNK_MAX else CHUNK
+        chunk = default_chunk(n, block_m)
     assert chunk == _next_pow2(chunk), chunk
     if n <= chunk:
         _single_chunk_align_kernel[(1,)](flat, sorted_ids, expert_ids, total, n, num_experts,
                                          BLOCK_M=block_m, CHUNK=chunk, W=width,
-                                         num_warps=4 if chunk <= 1024 else 8)
+                                         num_warps=warps or (4 if chunk <= 1024 else 8))
         return sorted_ids, expert_ids, total
     num_chunks = _cdiv(n, chunk)
     chunk_counts = torch.empty(num_chunks, width, dtype=torch.int32, device=flat.device)
