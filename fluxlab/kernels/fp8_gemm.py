@@ -12,8 +12,9 @@ Quantizing the tile inside the GEMM instead (each K-step quantizing its [BLOCK_M
 was measured on the H200 and dropped: every N-tile redoes the same quantization, and at BLOCK_M 64 the
 qkv product at 32 tokens took 0.11 ms against cuBLAS bf16's 0.006 (docs/benchmarks.md, FP8).
 
-Batch invariant and graph capturable: one tile config whatever M is, the reduction of every output
-element is the K-blocks in order into one fp32 accumulator (no split-K), and no host reads.
+Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N only by row count, which leaves
+the bits unchanged), the reduction of every output element is the K-blocks in order into one fp32
+accumulator (no split-K), and no host reads.
 
 Quantization arithmetic matches `quantize_token_groups` bit for bit: per group, amax (at least
 1e-10), inv = 448 / amax and s = amax / 448 by IEEE divisions (`div_rn`; Triton's plain fp32 `/` is
@@ -29,9 +30,12 @@ import torch
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
-# 64x128 over 64x64: the same bits (one wgmma path, the same K order), LLaDA2.0-mini's GEMMs at 2048 rows
-# 2.13 against 2.44 ms a step, H100 (benchmarks/device/diffusion_gemma_matmul_tiles.py --fp8, docs/benchmarks.md)
-BLOCK_M, BLOCK_N, WARPS, STAGES, GROUP_M = 64, 128, 4, 4, 8
+# 64-wide output tiles below WIDE_ROWS rows, 128-wide from there: the same bits either way (one wgmma
+# path, the same K order; the sweep's bit check and test_fp8_rows_do_not_depend_on_the_batch), so rows
+# stay batch invariant. H100 (benchmarks/device/diffusion_gemma_matmul_tiles.py --fp8, docs/benchmarks.md):
+# 128 wide wins at 2048-4096 rows (LLaDA2.0-mini 2.13 vs 2.44 ms a step, DG 26.0 vs 30.2), loses at 256
+# (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms.
+BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 8
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)
@@ -138,10 +142,9 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
     """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
     out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages) instead of the module's
-    one config (benchmarks only: a config that changes with M would give up batch invariance)."""
+    tile choice (benchmarks only: a config whose bits differ would give up batch invariance)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
-    block_m, block_n, warps, stages = tiles or (BLOCK_M, BLOCK_N, WARPS, STAGES)
     if isinstance(x, tuple):
         xq, xs = x
         assert out_dtype is not None, "fp8_matmul on a quantized pair needs out_dtype"
@@ -149,6 +152,7 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
+    block_m, block_n, warps, stages = tiles or (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES)
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
