@@ -10,7 +10,10 @@ with fewer bits than fp32, to 128 products (DeepSeek-V3's "promotion" interval).
 
 Quantizing the tile inside the GEMM instead (each K-step quantizing its [BLOCK_M, 128] slice of x)
 was measured on the H200 and dropped: every N-tile redoes the same quantization, and at BLOCK_M 64 the
-qkv product at 32 tokens took 0.11 ms against cuBLAS bf16's 0.006 (docs/benchmarks.md, FP8).
+qkv product at 32 tokens took 0.11 ms against cuBLAS bf16's 0.006 (docs/benchmarks.md, FP8). So was
+cutting K into segments fixed by the weight's shape (split-K with the same bits at every batch: segments
+as programs plus a summing kernel when tiles are few, walked by one program otherwise): slower at 32,
+256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md).
 
 Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N only by row count, which leaves
 the bits unchanged), the reduction of every output element is the K-blocks in order into one fp32
