@@ -28,6 +28,9 @@ first (`_round_e4m3`) and the cast only sees representable values.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
@@ -39,6 +42,8 @@ GROUP = 128  # the activation group and weight block width along K: BLOCK_K must
 # 128 wide wins at 2048-4096 rows (LLaDA2.0-mini 2.13 vs 2.44 ms a step, DG 26.0 vs 30.2), loses at 256
 # (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms.
 BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 8
+# TMA / PAIRS: see _fp8_gemm_kernel; FLUXLAB_FP8_GEMM='{"TMA":1,"PAIRS":1}' sets them (device sweeps)
+TMA, PAIRS = (json.loads(os.environ.get("FLUXLAB_FP8_GEMM", "{}")).get(k, 0) for k in ("TMA", "PAIRS"))
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)
@@ -86,9 +91,19 @@ if HAVE_TRITON:
         tl.store(s_ptr + row * stride_sm + groups, s, mask=groups * BLOCK_K < K)
 
     @triton.jit
-    def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
-                         stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    def _scaled_step(acc, a, b, xs_ptrs, ws_ptrs, kb, row_ok, col_ok):
+        """acc + dot(a, b) scaled by the rows' activation scales and the columns' weight scales of K-block kb."""
+        a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
+        return acc + tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+
+    @triton.jit
+    def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, x_desc, w_desc, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm,
+                         stride_wn, stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                         PAIRS: tl.constexpr):
+        # TMA: x and w tiles through tensor descriptors (zero fill past M, N and K, as the masks give).
+        # PAIRS: two K-blocks an iteration, both dots taken before either is added (same order of adds).
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -107,19 +122,53 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
+        num_kb = tl.cdiv(K, BLOCK_K)
+        for kp in range(0, num_kb // (1 + PAIRS)):
+            kb = kp * (1 + PAIRS)
+            if TMA:
+                a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+            elif EVEN_K:
                 a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
                 b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
             else:
                 k_ok = offs_k < K - kb * BLOCK_K
                 a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-            b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            if PAIRS:
+                if TMA:
+                    a2 = x_desc.load([pid_m * BLOCK_M, (kb + 1) * BLOCK_K])
+                    b2 = w_desc.load([pid_n * BLOCK_N, (kb + 1) * BLOCK_K]).T
+                elif EVEN_K:
+                    a2 = tl.load(x_ptrs + BLOCK_K, mask=row_ok[:, None], other=0.0)
+                    b2 = tl.load(w_ptrs + BLOCK_K, mask=col_ok[None, :], other=0.0)
+                else:
+                    k_ok2 = offs_k < K - (kb + 1) * BLOCK_K
+                    a2 = tl.load(x_ptrs + BLOCK_K, mask=row_ok[:, None] & k_ok2[None, :], other=0.0)
+                    b2 = tl.load(w_ptrs + BLOCK_K, mask=col_ok[None, :] & k_ok2[:, None], other=0.0)
+                d = tl.dot(a, b)
+                d2 = tl.dot(a2, b2)
+                a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
+                b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
+                a_s2 = tl.load(xs_ptrs + kb + 1, mask=row_ok, other=0.0)
+                b_s2 = tl.load(ws_ptrs + kb + 1, mask=col_ok, other=0.0)
+                acc += d * a_s[:, None] * b_s[None, :]
+                acc += d2 * a_s2[:, None] * b_s2[None, :]
+            else:
+                acc = _scaled_step(acc, a, b, xs_ptrs, ws_ptrs, kb, row_ok, col_ok)
+            x_ptrs += BLOCK_K * (1 + PAIRS)
+            w_ptrs += BLOCK_K * (1 + PAIRS)
+        if PAIRS:
+            if num_kb % 2:  # the odd last K-block, outside the steady loop
+                kb = num_kb - 1
+                if TMA:
+                    a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                    b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+                else:
+                    k_ok = offs_k < K - kb * BLOCK_K
+                    a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = _scaled_step(acc, a, b, xs_ptrs, ws_ptrs, kb, row_ok, col_ok)
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -144,7 +193,7 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
                out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
-    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages) instead of the module's
+    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages, tma, pairs) instead of the module's
     tile choice (benchmarks only: a config whose bits differ would give up batch invariance)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
@@ -155,15 +204,24 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    block_m, block_n, warps, stages = tiles or (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES)
+    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, TMA, PAIRS)
+    block_m, block_n, warps, stages, tma, pairs = (*tiles, TMA, PAIRS)[:6] if tiles else default
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
+    tma = tma and xq.is_cuda and torch.cuda.get_device_capability(xq.device)[0] >= 9
+    x_desc = w_desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(xq, [block_m, GROUP])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, GROUP])
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _fp8_gemm_kernel[grid](xq, xs, weight, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0),
-                           scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
-                           GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, num_warps=warps, num_stages=stages)
+    _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
+                           weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma, PAIRS=pairs,
+                           num_warps=warps, num_stages=stages)
     return out
