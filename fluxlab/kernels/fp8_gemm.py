@@ -42,8 +42,10 @@ GROUP = 128  # the activation group and weight block width along K: BLOCK_K must
 # 128 wide wins at 2048-4096 rows (LLaDA2.0-mini 2.13 vs 2.44 ms a step, DG 26.0 vs 30.2), loses at 256
 # (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms.
 BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 8
-# TMA / PAIRS: see _fp8_gemm_kernel; FLUXLAB_FP8_GEMM='{"TMA":1,"PAIRS":1}' sets them (device sweeps)
-TMA, PAIRS = (json.loads(os.environ.get("FLUXLAB_FP8_GEMM", "{}")).get(k, 0) for k in ("TMA", "PAIRS"))
+# TMA from TMA_ROWS rows (sm90+, K a multiple of 16), PAIRS up to PAIRS_ROWS rows: see _fp8_gemm_kernel.
+# FLUXLAB_FP8_GEMM='{"TMA_ROWS":1024,"PAIRS_ROWS":64}' sets them (device sweeps).
+_ENV = json.loads(os.environ.get("FLUXLAB_FP8_GEMM", "{}"))
+TMA_ROWS, PAIRS_ROWS = _ENV.get("TMA_ROWS", 1 << 62), _ENV.get("PAIRS_ROWS", 0)
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)
@@ -204,15 +206,16 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, TMA, PAIRS)
-    block_m, block_n, warps, stages, tma, pairs = (*tiles, TMA, PAIRS)[:6] if tiles else default
+    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, m >= TMA_ROWS, m <= PAIRS_ROWS)
+    block_m, block_n, warps, stages, tma, pairs = (*tiles, 0, 0)[:6] if tiles else default
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    tma = tma and xq.is_cuda and torch.cuda.get_device_capability(xq.device)[0] >= 9
+    # a descriptor's row stride must be a multiple of 16 bytes
+    tma = bool(tma) and k % 16 == 0 and xq.is_cuda and torch.cuda.get_device_capability(xq.device)[0] >= 9
     x_desc = w_desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -222,6 +225,6 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                            weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma, PAIRS=pairs,
+                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma, PAIRS=int(pairs),
                            num_warps=warps, num_stages=stages)
     return out

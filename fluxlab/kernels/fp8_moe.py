@@ -249,7 +249,8 @@ def fp8_fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
     xq, xs = quantize_act(x)
     inter_q = torch.empty(sorted_ids.numel(), inter, dtype=torch.float8_e4m3fn, device=x.device)
     inter_s = torch.empty(sorted_ids.numel(), nb, dtype=torch.float32, device=x.device)
-    tma = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    # TMA descriptors: sm90+, and row strides of whole 16 bytes
+    tma = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and hidden % 16 == inter % 16 == 0
     _fp8_gate_up_kernel[(num_pid_m * nb,)](
         xq, xs, w_gate_up, _weight_tiles(w_gate_up, GROUP, GROUP) if cfg.TMA1 and tma else None, s_gate_up, inter_q, inter_s, sorted_ids, expert_ids, total, n_slots, top_k, hidden, inter,
         num_pid_m, xq.stride(0), xs.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0),
