@@ -13,7 +13,8 @@ was measured on the H200 and dropped: every N-tile redoes the same quantization,
 qkv product at 32 tokens took 0.11 ms against cuBLAS bf16's 0.006 (docs/benchmarks.md, FP8). So was
 cutting K into segments fixed by the weight's shape (split-K with the same bits at every batch: segments
 as programs plus a summing kernel when tiles are few, walked by one program otherwise): slower at 32,
-256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md).
+256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md). Taking two K-blocks an iteration (both dots
+before either add, the same bits) was slower at 256-4096 rows under graphs. What did pay is TMA tiles (TMA below).
 
 Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N only by row count, which leaves
 the bits unchanged), the reduction of every output element is the K-blocks in order into one fp32
@@ -42,10 +43,11 @@ GROUP = 128  # the activation group and weight block width along K: BLOCK_K must
 # 128 wide wins at 2048-4096 rows (LLaDA2.0-mini 2.13 vs 2.44 ms a step, DG 26.0 vs 30.2), loses at 256
 # (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms.
 BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 8
-# TMA from TMA_ROWS rows (sm90+, K a multiple of 16), PAIRS up to PAIRS_ROWS rows: see _fp8_gemm_kernel.
-# FLUXLAB_FP8_GEMM='{"TMA_ROWS":1024,"PAIRS_ROWS":64}' sets them (device sweeps).
-_ENV = json.loads(os.environ.get("FLUXLAB_FP8_GEMM", "{}"))
-TMA_ROWS, PAIRS_ROWS = _ENV.get("TMA_ROWS", 1 << 62), _ENV.get("PAIRS_ROWS", 0)
+# x and w tiles through TMA descriptors while a CUDA graph is captured (the descriptors are encoded once), on sm90+,
+# K a multiple of 16: the same bits as pointer loads, and faster under graphs at 32-4096 rows on an H100; eager
+# calls keep pointer loads, where encoding descriptors each call made small GEMMs host-bound (docs/benchmarks.md,
+# "TMA tiles for the FP8 GEMM"). FLUXLAB_FP8_GEMM='{"TMA":0}' turns it off (device A/B runs).
+TMA = json.loads(os.environ.get("FLUXLAB_FP8_GEMM", "{}")).get("TMA", 1)
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)
@@ -93,19 +95,10 @@ if HAVE_TRITON:
         tl.store(s_ptr + row * stride_sm + groups, s, mask=groups * BLOCK_K < K)
 
     @triton.jit
-    def _scaled_step(acc, a, b, xs_ptrs, ws_ptrs, kb, row_ok, col_ok):
-        """acc + dot(a, b) scaled by the rows' activation scales and the columns' weight scales of K-block kb."""
-        a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-        b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
-        return acc + tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-
-    @triton.jit
     def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, x_desc, w_desc, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm,
                          stride_wn, stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                         PAIRS: tl.constexpr):
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
         # TMA: x and w tiles through tensor descriptors (zero fill past M, N and K, as the masks give).
-        # PAIRS: two K-blocks an iteration, both dots taken before either is added (same order of adds).
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -124,9 +117,7 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        num_kb = tl.cdiv(K, BLOCK_K)
-        for kp in range(0, num_kb // (1 + PAIRS)):
-            kb = kp * (1 + PAIRS)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
             if TMA:
                 a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
@@ -137,40 +128,11 @@ if HAVE_TRITON:
                 k_ok = offs_k < K - kb * BLOCK_K
                 a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if PAIRS:
-                if TMA:
-                    a2 = x_desc.load([pid_m * BLOCK_M, (kb + 1) * BLOCK_K])
-                    b2 = w_desc.load([pid_n * BLOCK_N, (kb + 1) * BLOCK_K]).T
-                elif EVEN_K:
-                    a2 = tl.load(x_ptrs + BLOCK_K, mask=row_ok[:, None], other=0.0)
-                    b2 = tl.load(w_ptrs + BLOCK_K, mask=col_ok[None, :], other=0.0)
-                else:
-                    k_ok2 = offs_k < K - (kb + 1) * BLOCK_K
-                    a2 = tl.load(x_ptrs + BLOCK_K, mask=row_ok[:, None] & k_ok2[None, :], other=0.0)
-                    b2 = tl.load(w_ptrs + BLOCK_K, mask=col_ok[None, :] & k_ok2[:, None], other=0.0)
-                d = tl.dot(a, b)
-                d2 = tl.dot(a2, b2)
-                a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-                b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
-                a_s2 = tl.load(xs_ptrs + kb + 1, mask=row_ok, other=0.0)
-                b_s2 = tl.load(ws_ptrs + kb + 1, mask=col_ok, other=0.0)
-                acc += d * a_s[:, None] * b_s[None, :]
-                acc += d2 * a_s2[:, None] * b_s2[None, :]
-            else:
-                acc = _scaled_step(acc, a, b, xs_ptrs, ws_ptrs, kb, row_ok, col_ok)
-            x_ptrs += BLOCK_K * (1 + PAIRS)
-            w_ptrs += BLOCK_K * (1 + PAIRS)
-        if PAIRS:
-            if num_kb % 2:  # the odd last K-block, outside the steady loop
-                kb = num_kb - 1
-                if TMA:
-                    a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-                    b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
-                else:
-                    k_ok = offs_k < K - kb * BLOCK_K
-                    a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = _scaled_step(acc, a, b, xs_ptrs, ws_ptrs, kb, row_ok, col_ok)
+            a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
+            b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -191,11 +153,18 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def _tma_ok(xq: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA here: a CUDA graph being captured on an sm90+ GPU, and row strides of whole 16 bytes, unit column strides."""
+    return (xq.is_cuda and torch.cuda.is_current_stream_capturing()
+            and torch.cuda.get_device_capability(xq.device)[0] >= 9
+            and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (xq, weight)))
+
+
 def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.Tensor,
                out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
-    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages, tma, pairs) instead of the module's
+    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma]) instead of the module's
     tile choice (benchmarks only: a config whose bits differ would give up batch invariance)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
@@ -206,16 +175,15 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, m >= TMA_ROWS, m <= PAIRS_ROWS)
-    block_m, block_n, warps, stages, tma, pairs = (*tiles, 0, 0)[:6] if tiles else default
+    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, TMA)
+    block_m, block_n, warps, stages, tma = (*tiles, TMA)[:5] if tiles else default
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    # a descriptor's row stride must be a multiple of 16 bytes
-    tma = bool(tma) and k % 16 == 0 and xq.is_cuda and torch.cuda.get_device_capability(xq.device)[0] >= 9
+    tma = bool(tma) and _tma_ok(xq, weight)
     x_desc = w_desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -225,6 +193,6 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                            weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma, PAIRS=int(pairs),
+                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma,
                            num_warps=warps, num_stages=stages)
     return out

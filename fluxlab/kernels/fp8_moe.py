@@ -30,7 +30,7 @@ import torch
 
 from fluxlab.kernels.fp8_gemm import GROUP, quant_tile, quantize_act
 from fluxlab.kernels.fused_norm import _tl_dtype
-from fluxlab.kernels.fused_moe import ACTIVATIONS, _weight_tiles, combine_slots
+from fluxlab.kernels.fused_moe import ACTIVATIONS, combine_slots
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, triton
 
 
@@ -48,9 +48,6 @@ class FP8MoEConfig:
     WARPS2: int = 8
     STAGES2: int = 3
     GROUP_M: int = 8
-    TMA1: int = 0         # experiment switches: weight tiles through TMA descriptors (sm90+)
-    TMA2: int = 0
-    PAIRS2: int = 0       # down: two K-blocks an iteration, both dots before either add
 
 
 def default_config() -> FP8MoEConfig:
@@ -72,13 +69,11 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, out_ptr, outs_ptr, sorted_ids_ptr, expert_ids_ptr,
+    def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_ids_ptr, expert_ids_ptr,
                             total_ptr, N, TOPK, H, I, num_pid_m, stride_xm, stride_xsm, stride_we, stride_wn,
                             stride_wse, stride_wsn, stride_om, stride_osm, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                            ACT: tl.constexpr, ROUND_DT: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr):
-        # TMA: weight tiles through w_desc (w as [E*2I, H]); columns past I read the next rows, whose
-        # scales load as 0, so they stay 0 (finite e4m3 times 0) and the group's amax is unchanged.
+                            ACT: tl.constexpr, ROUND_DT: tl.constexpr, INTERPRET: tl.constexpr):
         # BLOCK_N == BLOCK_K: a program's columns are one 128-wide group of the intermediate, which its
         # epilogue quantizes for the down GEMM.
         pid = tl.program_id(0)
@@ -97,21 +92,13 @@ if HAVE_TRITON:
             as_ptrs = xs_ptr + tok * stride_xsm
             bg_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             bu_ptrs = bg_ptrs + I * stride_wn
-            w_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
             # gate rows' scale blocks, then up rows' (ceil(I/128) of each)
             sg_ptrs = ws_ptr + e * stride_wse + (offs_n // BLOCK_K) * stride_wsn
             su_ptrs = sg_ptrs + tl.cdiv(I, BLOCK_K) * stride_wsn
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kb in range(0, tl.cdiv(H, BLOCK_K)):
-                if TMA:
-                    if EVEN_K:
-                        a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                    else:
-                        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < H - kb * BLOCK_K), other=0.0)
-                    bg = w_desc.load([w_row, kb * BLOCK_K]).T
-                    bu = w_desc.load([w_row + I, kb * BLOCK_K]).T
-                elif EVEN_K:
+                if EVEN_K:
                     a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                     bg = tl.load(bg_ptrs, mask=n_ok[None, :], other=0.0)
                     bu = tl.load(bu_ptrs, mask=n_ok[None, :], other=0.0)
@@ -140,28 +127,10 @@ if HAVE_TRITON:
             tl.store(outs_ptr + offs_m.to(tl.int64) * stride_osm + pid_n, h_s, mask=valid)
 
     @triton.jit
-    def _down_tiles(a_ptrs, b_ptrs, w_desc, w_row, kb, offs_k, valid, n_ok, I, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, TMA: tl.constexpr):
-        """K-block kb of the intermediate rows [BLOCK_M, 128] and of w_down's tile [128, BLOCK_N]."""
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < I - kb * BLOCK_K), other=0.0)
-        if TMA:
-            b = w_desc.load([w_row, kb * BLOCK_K]).T
-        elif EVEN_K:
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            b = tl.load(b_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < I - kb * BLOCK_K), other=0.0)
-        return a, b
-
-    @triton.jit
-    def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+    def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                          N, H, I, num_pid_m, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         EVEN_K: tl.constexpr, TMA: tl.constexpr, PAIRS: tl.constexpr):
-        # TMA: weight tiles through w_desc (w as [E*H, I], zero fill past I; rows past H are the next
-        # expert's, masked at the store). PAIRS: two K-blocks an iteration, both dots before either add.
+                         EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         pid_m, pid_n = _tile_ids(pid, num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
@@ -177,36 +146,20 @@ if HAVE_TRITON:
             as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
             b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             s_ptrs = ws_ptr + e * stride_wse + (offs_n // BLOCK_K) * stride_wsn
-            w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            num_kb = tl.cdiv(I, BLOCK_K)
-            for kp in range(0, num_kb // (1 + PAIRS)):
-                kb = kp * (1 + PAIRS)
-                a, b = _down_tiles(a_ptrs, b_ptrs, w_desc, w_row, kb, offs_k, valid, n_ok, I, BLOCK_K, EVEN_K, TMA)
-                if PAIRS:
-                    a2, b2 = _down_tiles(a_ptrs + BLOCK_K, b_ptrs + BLOCK_K, w_desc, w_row, kb + 1, offs_k, valid,
-                                         n_ok, I, BLOCK_K, EVEN_K, TMA)
-                    d = tl.dot(a, b)
-                    d2 = tl.dot(a2, b2)
-                    a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-                    s_b = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-                    a_s2 = tl.load(as_ptrs + kb + 1, mask=valid, other=0.0)
-                    s_b2 = tl.load(s_ptrs + kb + 1, mask=n_ok, other=0.0)
-                    acc += d * a_s[:, None] * s_b[None, :]
-                    acc += d2 * a_s2[:, None] * s_b2[None, :]
+            for kb in range(0, tl.cdiv(I, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
                 else:
-                    a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-                    s_b = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-                    acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
-                a_ptrs += BLOCK_K * (1 + PAIRS)
-                b_ptrs += BLOCK_K * (1 + PAIRS)
-            if PAIRS:
-                if num_kb % 2:  # the odd last K-block, outside the steady loop
-                    kb = num_kb - 1
-                    a, b = _down_tiles(a_ptrs, b_ptrs, w_desc, w_row, kb, offs_k, valid, n_ok, I, BLOCK_K, False, TMA)
-                    a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-                    s_b = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-                    acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
+                    k_ok = offs_k < I - kb * BLOCK_K
+                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+                s_b = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
             w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
             acc = acc * w[:, None]
             o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -249,21 +202,17 @@ def fp8_fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
     xq, xs = quantize_act(x)
     inter_q = torch.empty(sorted_ids.numel(), inter, dtype=torch.float8_e4m3fn, device=x.device)
     inter_s = torch.empty(sorted_ids.numel(), nb, dtype=torch.float32, device=x.device)
-    # TMA descriptors: sm90+, and row strides of whole 16 bytes
-    tma = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and hidden % 16 == inter % 16 == 0
     _fp8_gate_up_kernel[(num_pid_m * nb,)](
-        xq, xs, w_gate_up, _weight_tiles(w_gate_up, GROUP, GROUP) if cfg.TMA1 and tma else None, s_gate_up, inter_q, inter_s, sorted_ids, expert_ids, total, n_slots, top_k, hidden, inter,
+        xq, xs, w_gate_up, s_gate_up, inter_q, inter_s, sorted_ids, expert_ids, total, n_slots, top_k, hidden, inter,
         num_pid_m, xq.stride(0), xs.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0),
         s_gate_up.stride(1), inter_q.stride(0), inter_s.stride(0), BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=GROUP,
         GROUP_M=cfg.GROUP_M, EVEN_K=hidden % GROUP == 0, ACT=ACTIVATIONS[activation], ROUND_DT=_tl_dtype(x.dtype),
-        INTERPRET=_interpret(), TMA=bool(cfg.TMA1 and tma), num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+        INTERPRET=_interpret(), num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
 
     slot_out = (torch.zeros if foreign_slots else torch.empty)(n_slots, hidden, dtype=x.dtype, device=x.device)
     _fp8_down_kernel[(num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)](
-        inter_q, inter_s, w_down, _weight_tiles(w_down, cfg.BLOCK_N2, GROUP) if cfg.TMA2 and tma else None, s_down,
-        slot_out, topk_weight, sorted_ids, expert_ids, total, n_slots, hidden, inter,
+        inter_q, inter_s, w_down, s_down, slot_out, topk_weight, sorted_ids, expert_ids, total, n_slots, hidden, inter,
         num_pid_m, inter_q.stride(0), inter_s.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0),
         s_down.stride(1), slot_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=GROUP, GROUP_M=cfg.GROUP_M,
-        EVEN_K=inter % GROUP == 0, TMA=bool(cfg.TMA2 and tma), PAIRS=cfg.PAIRS2, num_warps=cfg.WARPS2,
-        num_stages=cfg.STAGES2)
+        EVEN_K=inter % GROUP == 0, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
     return combine_slots(slot_out, top_k, adds, x.dtype, shared_last)
