@@ -282,32 +282,34 @@ def test_fp8_rows_do_not_depend_on_the_batch_and_replay_in_a_graph():
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
 @pytest.mark.parametrize("n,k", [(2048, 2048), (2816, 2112), (300, 200), (384, 264)])
 def test_fp8_matmul_in_a_graph_takes_tma_tiles_with_the_eager_bits(n, k, monkeypatch):
-    """Under capture the GEMM loads tiles through TMA descriptors (K a multiple of 16; 200 is not, 2112 and
-    264 are not whole 128-blocks): the captured rows equal the eager (pointer-load) rows, and every row count
-    gives a row the bits it has in 2048 rows."""
+    """Inside graph_tiles() (a graph's warm-up and capture) the GEMM loads tiles through TMA descriptors where
+    K is a multiple of 16 (200 is not; 2112 and 264 are not whole 128-blocks): warm-up and captured rows equal
+    the eager (pointer-load) rows, and every row count gives a row the bits it has in 2048 rows."""
     from fluxlab.kernels import fp8_gemm
     from fluxlab.kernels.fp8_gemm import fp8_matmul
 
     assert fp8_gemm.TMA == 1   # the default
-    real, captured, eager = fp8_gemm._tma_ok, [], []
+    real, scoped = fp8_gemm._tma_ok, []
 
-    def spy(xq, w):
-        (captured if torch.cuda.is_current_stream_capturing() else eager).append(real(xq, w))
-        return (captured if torch.cuda.is_current_stream_capturing() else eager)[-1]
+    def spy(xq, w):  # asked only inside graph_tiles()
+        scoped.append(real(xq, w))
+        return scoped[-1]
     monkeypatch.setattr(fp8_gemm, "_tma_ok", spy)
     gen = torch.Generator().manual_seed(11)
     q, s = (t.cuda() for t in quantize_blocks(torch.randn(n, k, generator=gen) * 0.02))
     x = torch.randn(2048, k, generator=gen).bfloat16().cuda()
-    full = fp8_matmul(x, q, s)
+    full = fp8_matmul(x, q, s)  # eager: pointer loads
+    assert not scoped
     for rows in (1, 7, 64, 513, 2048):
         xs = x[:rows].clone()
-        fp8_matmul(xs, q, s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fp8_matmul(xs, q, s)
+        with fp8_gemm.graph_tiles():
+            warm = fp8_matmul(xs, q, s)   # compiles the TMA kernel outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fp8_matmul(xs, q, s)
         graph.replay()
-        assert torch.equal(out, full[:rows]), rows
-    assert captured == [k % 16 == 0] * 5 and eager and not any(eager)
+        assert torch.equal(warm, full[:rows]) and torch.equal(out, full[:rows]), rows
+    assert scoped == [k % 16 == 0] * 10
 
 
 @pytest.mark.gpu

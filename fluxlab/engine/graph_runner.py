@@ -20,6 +20,7 @@ import torch
 from fluxlab.engine.layers.attention import AttentionMetadata
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.staging import mapped_host
+from fluxlab.kernels.fp8_gemm import graph_tiles
 
 log = logging.getLogger("fluxlab.engine")
 
@@ -71,16 +72,17 @@ class CapturedForward:
         self.scratch_page = runner.scratch_page
         self.attention.plan(Segments.scratch(segments, self.scratch_page))
         model = runner.model
-        for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
-            self.attention.copy_plan_in()
-            model(self.input_ids, self.positions, self.attention)
-        torch.cuda.synchronize(device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            # a kernel, not a memcpy node: the source is host memory the GPU reads at its host address
-            torch.add(self.staged_on_device.view(3, tokens), 0, out=self.inputs)
-            self.attention.copy_plan_in()  # the attention plan, where the backend stages it the same way
-            self.hidden = model(self.input_ids, self.positions, self.attention)
+        with graph_tiles():  # model.quantization=fp8: TMA tiles, compiled in the warm-up
+            for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
+                self.attention.copy_plan_in()
+                model(self.input_ids, self.positions, self.attention)
+            torch.cuda.synchronize(device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                # a kernel, not a memcpy node: the source is host memory the GPU reads at its host address
+                torch.add(self.staged_on_device.view(3, tokens), 0, out=self.inputs)
+                self.attention.copy_plan_in()  # the attention plan, where the backend stages it the same way
+                self.hidden = model(self.input_ids, self.positions, self.attention)
 
     def load(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, segments: Segments) -> None:
         """The next replay's inputs, written where the graph reads them (positions and slots only

@@ -67,7 +67,8 @@ def _interpret() -> bool:
 
 
 def _patch_interpreter_for_numpy2() -> None:
-    """triton 3.6's interpreter turns scalar args into 1-element arrays and calls int() on them for
+    """Two interpreter patches (TRITON_INTERPRET=1). tl.dot sums in K order (`_dot_in_k_order`). And
+    triton 3.6's interpreter turns scalar args into 1-element arrays and calls int() on them for
     `range(...)` bounds, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted").
     Re-point `tensor.__index__` at `.item()` after the interpreter's own patching. CPU-only
     (TRITON_INTERPRET=1); no effect on compiled kernels."""
@@ -85,6 +86,29 @@ def _patch_interpreter_for_numpy2() -> None:
 
     patched._fluxlab_patched = True
     _interp._patch_lang_tensor = patched
+    _interp.InterpreterBuilder.create_dot = _dot_in_k_order
+
+
+def _dot_in_k_order(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's tl.dot, its products summed over K in order for every output element. Its own
+    np.matmul sums as the CPU's BLAS blocks the shape, so a row's bits moved with the tile's width on some
+    CPUs (OpenBLAS 0.3.31, numpy 2.4.6): the interpreter checks of tile-independent bits (tests/
+    test_canvas_matmul.py) then failed for BLAS's reasons, not the kernel's. e4m3 inputs go through fp16
+    as the interpreter's own dot does; their fp32 products are exact."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle, _convert_float
+
+    a_data, b_data = a.data, b.data
+    if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+       (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+        a_data = _convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+        b_data = _convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+    dtype = d.data.dtype
+    a_data, b_data = a_data.astype(dtype), b_data.astype(dtype)
+    total = np.zeros(a_data.shape[:-1] + b_data.shape[-1:], dtype=dtype)
+    for k in range(a_data.shape[-1]):
+        total += a_data[..., k:k + 1] * b_data[..., k:k + 1, :]
+    return TensorHandle(total + d.data, d.dtype.scalar)
 
 
 if HAVE_TRITON and _interpret():

@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fluxlab.kernels.fp8_gemm import graph_tiles
 from fluxlab.models.diffusion_gemma.paged_attention import CanvasKVCache
 from fluxlab.models.diffusion_gemma.request import CanvasRequest
 from fluxlab.models.diffusion_gemma.decoding import CanvasState, CanvasStepInputs, denoise_step
@@ -157,15 +158,16 @@ class StaticDenoiser:
         self.generators = [torch.Generator(device=device) for _ in range(rows)]  # the graph's draw slots
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         if capture:
-            for _ in range(2):  # warm up outside the graph (allocator, lazy inits, kernels)
-                self._step(self.generators)
-            torch.cuda.synchronize(device)
-            self.graph = torch.cuda.CUDAGraph()
-            for g in self.generators:
-                self.graph.register_generator_state(g)
-            # thread_local: a serving thread that touches CUDA during a (lazy) capture does not void it
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-                self.out = self._step(self.generators)
+            with graph_tiles():  # model.quantization=fp8: TMA tiles, compiled in the warm-up
+                for _ in range(2):  # warm up outside the graph (allocator, lazy inits, kernels)
+                    self._step(self.generators)
+                torch.cuda.synchronize(device)
+                self.graph = torch.cuda.CUDAGraph()
+                for g in self.generators:
+                    self.graph.register_generator_state(g)
+                # thread_local: a serving thread that touches CUDA during a (lazy) capture does not void it
+                with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+                    self.out = self._step(self.generators)
 
     def _step(self, generators: list[torch.Generator]) -> tuple:
         """(block [R, L], final [R], argmax [R, L], stable_run [R], soft_next [R, L, H]) from the buffers."""
