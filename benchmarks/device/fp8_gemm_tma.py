@@ -1,7 +1,7 @@
 """The FP8 GEMM (kernels/fp8_gemm.py) with TMA tiles against pointer loads, under CUDA graphs (GPU).
 
-Under graph capture `fp8_matmul` loads its x and w tiles through TMA descriptors; `tiles=(..., 0)` keeps pointer
-loads. Both sum the same products in the same order, so the captured output must equal the eager (pointer) one bit
+Inside `fp8_gemm.graph_tiles()` (the graph runners' warm-up and capture) `fp8_matmul` loads its x and w tiles
+through TMA descriptors; here `tiles=(..., 1)` / `(..., 0)` pick TMA / pointer loads explicitly. Both sum the same products in the same order, so the captured output must equal the eager (pointer) one bit
 for bit: the bits column. Each is timed as graph replays over copies of the weight that overflow L2, at both
 models' shapes: Diffusion-Gemma 26B-A4B at 256 / 4096 rows (1 / 16 canvases), LLaDA2.0-mini at 32 / 2048 (decode
 batch 1 / 64); prints the per-step sum of each model's GEMMs. (The 2026-12-06 sweep that also tried paired K-blocks
