@@ -1,8 +1,10 @@
 """The FP8 GEMM (kernels/fp8_gemm.py) with TMA tiles against pointer loads, under CUDA graphs (GPU).
 
 Inside `fp8_gemm.graph_tiles()` (the graph runners' warm-up and capture) `fp8_matmul` loads its x and w tiles
-through TMA descriptors; here `tiles=(..., 1)` / `(..., 0)` pick TMA / pointer loads explicitly. Both sum the same products in the same order, so the captured output must equal the eager (pointer) one bit
-for bit: the bits column. Each is timed as graph replays over copies of the weight that overflow L2, at both
+through TMA descriptors; here `tiles=(..., 1)` / `(..., 0)` pick TMA / pointer loads explicitly. Both sum the same
+products in the same order, so the TMA output must equal the default eager (pointer) one bit for bit (explicit
+tiles take TMA eagerly too): the bits column. Each is timed as replays of one CUDA graph over
+copies of the weight that overflow L2 (`fluxlab.bench.moe_tune.graph_ms`: no host time), at both
 models' shapes: Diffusion-Gemma 26B-A4B at 256 / 4096 rows (1 / 16 canvases), LLaDA2.0-mini at 32 / 2048 (decode
 batch 1 / 64); prints the per-step sum of each model's GEMMs. (The 2026-12-06 sweep that also tried paired K-blocks
 and TMA in the fused MoE, since dropped, is in docs/benchmarks.md.)
@@ -13,6 +15,7 @@ import sys
 
 import torch
 
+from fluxlab.bench.moe_tune import graph_ms
 from fluxlab.engine.layers.fp8 import quantize_blocks
 from fluxlab.kernels import fp8_gemm
 from fluxlab.kernels.fp8_gemm import fp8_matmul
@@ -27,33 +30,6 @@ MODELS = {
 }
 VARIANTS = {"pointers": 0, "tma": 1}
 COPIES_BYTES = 160e6  # weight copies a GEMM rotates through: past the 50 MB L2 of an H100 / H200
-
-
-def graph_run(calls, reps=10):
-    """(ms a call, the first call's output) of `calls` (zero-argument callables) replayed in sequence under one
-    CUDA graph: no host time in the timing, weights streaming from HBM."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [call() for call in calls]
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / (reps * len(calls)))
-    return sorted(times)[2], outs[0].clone()
 
 
 def main():
@@ -71,8 +47,9 @@ def main():
                 eager = fp8_matmul(xk, *copies[0])  # pointer loads: no capture
                 for name, tma in VARIANTS.items():
                     tiles = (fp8_gemm.BLOCK_M, bn, fp8_gemm.WARPS, fp8_gemm.STAGES, tma)
-                    ms, out = graph_run([lambda w=w, tiles=tiles: fp8_matmul(xk, *w, tiles=tiles) for w in copies])
-                    same[name] = same[name] and torch.equal(out, eager)
+                    calls = [lambda w=w, tiles=tiles: fp8_matmul(xk, *w, tiles=tiles) for w in copies]
+                    ms = graph_ms(lambda calls=calls: [call() for call in calls]) / len(calls)
+                    same[name] = same[name] and torch.equal(calls[0](), eager)
                     totals[name] += ms * count
                     results[f"{model} gemm {n}x{k} @{rows} {name}"] = ms
             for name in VARIANTS:
@@ -81,7 +58,7 @@ def main():
     for key, val in results.items():
         if isinstance(val, dict):
             print(f"{key:>44} {val['ms']:>8.3f} {val['same_bits']}")
-    print("bits: the captured output equals the eager one; gemms a step: sum of graph-replay ms x count")
+    print("bits: the variant's output equals the default eager one; gemms a step: sum of graph-replay ms x count")
     if sys.argv[1:]:
         json.dump(results, open(sys.argv[1], "w"), indent=1)
 
