@@ -39,6 +39,26 @@ def _interpreter_checks() -> None:
 
     im.SLICE_K = 256  # a long reduction at interpreter speed: K = 700 -> 3 slices
     check(3, 700, 17, torch.float32, "cpu", gen, transposed=True)  # split K, a [K, N] view
+
+    # TMA tiles (descriptor loads, which the interpreter runs too) inside graph_tiles(): the pointer loads' bits with
+    # ragged row and column tiles, a K tail, split K and a [K, N] view; outside, pointer loads
+    from fluxlab.kernels import tma
+
+    real, asked = tma.fits, []
+    tma.KERNELS = tma.KERNELS | {"matmul"}
+    tma.fits = lambda *tensors: asked.append(1) or True  # the CPU has no TMA: take the path regardless
+    try:
+        for m, k, n, transposed in [(5, 68, 33, False), (130, 64, 130, False), (3, 700, 20, True)]:
+            x = torch.randn(m, k, generator=gen)
+            w = torch.randn(k, n, generator=gen).t() if transposed else torch.randn(n, k, generator=gen)
+            pointers = im.matmul(x, w)
+            assert not asked
+            with tma.graph_tiles():
+                assert torch.equal(im.matmul(x, w), pointers), (m, k, n)
+            assert asked == [1]
+            asked.clear()
+    finally:
+        tma.fits = real
     print("interpreter checks ok")
 
 
@@ -67,6 +87,46 @@ def test_invariant_matmul_on_26b_shapes():
     check(256, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1, 4))  # self-conditioning
     # the slices' sum at 16 canvases (16 fp32 slices of 4096 x 2816)
     check(4096, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1,))
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("k,n,transposed", [(2816, 8192, False), (4096, 2816, False), (2816, 128, False),
+                                            (2112, 2816, False), (262144, 2816, True)])
+def test_invariant_matmul_in_a_graph_takes_tma_tiles_with_the_eager_bits(k, n, transposed, monkeypatch):
+    """Inside graph_tiles() (a graph's warm-up and capture) the matmul loads its tiles through TMA descriptors on
+    sm90+: warm-up and captured rows equal the eager (pointer-load) rows at 26B shapes, small and default tiles,
+    and the self-conditioning product's 16 K-slices over the embedding seen as [K, N]."""
+    from fluxlab.kernels import tma
+    from fluxlab.kernels.invariant_matmul import matmul
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm90+")
+    monkeypatch.setattr(tma, "KERNELS", tma.KERNELS | {"matmul"})
+    real, scoped = tma.fits, []
+
+    def spy(*tensors):  # asked only inside graph_tiles()
+        scoped.append(real(*tensors))
+        return scoped[-1]
+    monkeypatch.setattr(tma, "fits", spy)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(k, n, generator=gen, device="cuda").bfloat16().t() if transposed
+         else torch.randn(n, k, generator=gen, device="cuda").bfloat16())
+    row_counts = (1, 256) if transposed else (1, 7, 256, 2048)
+    x = torch.randn(max(row_counts), k, generator=gen, device="cuda").bfloat16()
+    full = matmul(x, w)  # eager: pointer loads
+    assert not scoped
+    for rows in row_counts:
+        xs = x[:rows].clone()
+        with tma.graph_tiles():
+            warm = matmul(xs, w)  # compiles the TMA kernel outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = matmul(xs, w)
+        graph.replay()
+        assert torch.equal(warm, full[:rows]) and torch.equal(out, full[:rows]), rows
+    assert scoped == [True] * 2 * len(row_counts)
 
 
 if __name__ == "__main__":

@@ -184,22 +184,22 @@ def _interpreter_checks() -> None:
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     # TMA tiles (descriptor loads, which the interpreter runs too) inside graph_tiles(): the pointer loads' bits,
     # with M below the 64-row tile, K a 16- but not a 128-multiple, several tiles; outside, pointer loads
-    from fluxlab.kernels import fp8_gemm
+    from fluxlab.kernels import tma
 
-    real, asked = fp8_gemm._tma_ok, []
-    fp8_gemm._tma_ok = lambda xq, w: asked.append(1) or True   # the CPU has no TMA: take the path regardless
+    real, asked = tma.fits, []
+    tma.fits = lambda *tensors: asked.append(1) or True   # the CPU has no TMA: take the path regardless
     try:
         for m, n, k in [(1, 64, 128), (5, 256, 272), (70, 192, 640)]:
             x = torch.randn(m, k, generator=gen)
             q, s = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05)
             pointers = fp8_matmul(x, q, s)
             assert not asked
-            with fp8_gemm.graph_tiles():
+            with tma.graph_tiles():
                 assert torch.equal(fp8_matmul(x, q, s), pointers), (m, n, k)
             assert asked == [1]
             asked.clear()
     finally:
-        fp8_gemm._tma_ok = real
+        tma.fits = real
     print("interpreter checks ok")
 
 
@@ -303,16 +303,16 @@ def test_fp8_matmul_in_a_graph_takes_tma_tiles_with_the_eager_bits(n, k, monkeyp
     """Inside graph_tiles() (a graph's warm-up and capture) the GEMM loads tiles through TMA descriptors where
     K is a multiple of 16 (200 is not; 2112 and 272 are not whole 128-blocks): warm-up and captured rows equal
     the eager (pointer-load) rows, and every row count gives a row the bits it has in 2048 rows."""
-    from fluxlab.kernels import fp8_gemm
+    from fluxlab.kernels import tma
     from fluxlab.kernels.fp8_gemm import fp8_matmul
 
-    assert fp8_gemm.TMA == 1   # the default
-    real, scoped = fp8_gemm._tma_ok, []
+    assert "fp8_gemm" in tma.KERNELS   # the default
+    real, scoped = tma.fits, []
 
-    def spy(xq, w):  # asked only inside graph_tiles()
-        scoped.append(real(xq, w))
+    def spy(*tensors):  # asked only inside graph_tiles()
+        scoped.append(real(*tensors))
         return scoped[-1]
-    monkeypatch.setattr(fp8_gemm, "_tma_ok", spy)
+    monkeypatch.setattr(tma, "fits", spy)
     gen = torch.Generator().manual_seed(11)
     q, s = (t.cuda() for t in quantize_blocks(torch.randn(n, k, generator=gen) * 0.02))
     x = torch.randn(2048, k, generator=gen).bfloat16().cuda()
@@ -320,7 +320,7 @@ def test_fp8_matmul_in_a_graph_takes_tma_tiles_with_the_eager_bits(n, k, monkeyp
     assert not scoped
     for rows in (1, 7, 64, 513, 2048):
         xs = x[:rows].clone()
-        with fp8_gemm.graph_tiles():
+        with tma.graph_tiles():
             warm = fp8_matmul(xs, q, s)   # compiles the TMA kernel outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

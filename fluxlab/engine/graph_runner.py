@@ -20,7 +20,7 @@ import torch
 from fluxlab.engine.layers.attention import AttentionMetadata
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.staging import mapped_host
-from fluxlab.kernels.fp8_gemm import graph_tiles
+from fluxlab.kernels.tma import graph_tiles
 
 log = logging.getLogger("fluxlab.engine")
 
@@ -72,7 +72,7 @@ class CapturedForward:
         self.scratch_page = runner.scratch_page
         self.attention.plan(Segments.scratch(segments, self.scratch_page))
         model = runner.model
-        with graph_tiles():  # model.quantization=fp8: TMA tiles, compiled in the warm-up
+        with graph_tiles():  # GEMMs take TMA tiles (kernels/tma.py), compiled in the warm-up
             for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
                 self.attention.copy_plan_in()
                 model(self.input_ids, self.positions, self.attention)

@@ -29,12 +29,9 @@ first (`_round_e4m3`) and the cast only sees representable values.
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-
 import torch
 
+from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
@@ -44,12 +41,8 @@ GROUP = 128  # the activation group and weight block width along K: BLOCK_K must
 # 128 wide wins at 2048-4096 rows (LLaDA2.0-mini 2.13 vs 2.44 ms a step, DG 26.0 vs 30.2), loses at 256
 # (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms.
 BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 8
-# x and w tiles through TMA descriptors inside `graph_tiles()` (a CUDA graph's warm-up and capture), on sm90+, row
-# strides of whole 16 bytes: the same bits as pointer loads, faster under graphs at 32-4096 rows on an H100. Eager
-# calls keep pointer loads: there the descriptors are encoded at every call, which made small GEMMs host-bound
-# (docs/benchmarks.md, "TMA tiles for the FP8 GEMM"). FLUXLAB_FP8_GEMM='{"TMA":0}' turns it off (device A/B runs).
-TMA = json.loads(os.environ.get("FLUXLAB_FP8_GEMM", "{}")).get("TMA", 1)
-_graph_scopes = 0  # how many `graph_tiles()` are open
+# x and w tiles through TMA descriptors inside `tma.graph_tiles()` (kernels/tma.py: a CUDA graph's warm-up and
+# capture): the same bits as pointer loads, faster under graphs at 32-4096 rows on an H100.
 
 if HAVE_TRITON:
     import fluxlab.kernels.fused_norm  # noqa: F401  (patches the interpreter under TRITON_INTERPRET=1)
@@ -155,30 +148,12 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@contextlib.contextmanager
-def graph_tiles():
-    """The FP8 GEMM takes TMA tiles inside (where TMA is on and the GPU has it): open it around a CUDA graph's
-    warm-up and capture, so the TMA kernels compile in the warm-up, never inside the capture."""
-    global _graph_scopes
-    _graph_scopes += 1
-    try:
-        yield
-    finally:
-        _graph_scopes -= 1
-
-
-def _tma_ok(xq: torch.Tensor, weight: torch.Tensor) -> bool:
-    """TMA descriptors fit: an sm90+ GPU, unit column strides, row strides and addresses of whole 16 bytes."""
-    return (xq.is_cuda and torch.cuda.get_device_capability(xq.device)[0] >= 9
-            and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (xq, weight)))
-
-
 def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.Tensor,
                out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
     out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma]) instead of the module's
-    tile choice and `graph_tiles()` (benchmarks only: a config whose bits differ would give up batch invariance)."""
+    tile choice and `tma.graph_tiles()` (benchmarks only: a config whose bits differ would give up batch invariance)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
     if isinstance(x, tuple):
@@ -188,7 +163,7 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, TMA and _graph_scopes > 0)
+    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, tma_tiles.wanted("fp8_gemm"))
     block_m, block_n, warps, stages, tma = (*tiles, 0)[:5] if tiles else default
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
@@ -196,7 +171,7 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    tma = bool(tma) and _tma_ok(xq, weight)
+    tma = bool(tma) and tma_tiles.fits(xq, weight)
     x_desc = w_desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

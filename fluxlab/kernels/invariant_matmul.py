@@ -22,6 +22,10 @@ walked by one program -- the same sums -- was measured on an H200 on 2026-12-04:
 batch 1, +7 ms at batch 16, where a program walking its slices pipelines its loads worse;
 docs/benchmarks.md.)
 
+Inside `tma.graph_tiles()` (a CUDA graph's warm-up and capture, kernels/tma.py) the x and w tiles come through TMA
+descriptors on sm90+: the same chunks in the same order, so the same bits. A slice's chunks never straddle its end
+(k_per_split is whole chunks), so the descriptors' zero fill past K, M and N stands in for every mask.
+
 `matmul(x [M, K], w [N, K])` = x @ w.T (F.linear's layout); `w` may be any strided view (the
 self-conditioning input multiplies by the embedding [V, H] itself: pass `embedding.t()`).
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
 
 BLOCK_K, GROUP_M = 64, 8  # BLOCK_K is the reduction's chunk: one value, never per shape or row count
@@ -48,9 +53,11 @@ SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
 
 if HAVE_TRITON:
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
-                       stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
+                       stride_wk, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+                       W_KN: tl.constexpr):
+        # TMA: tiles through descriptors, x's over [M, K] and w's over [N, K] or, W_KN, over [K, N] (w.t() contiguous)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -69,9 +76,16 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None].to(tl.int64) * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
-            k_ok = (k + offs_k) < k_end
-            a = tl.load(x_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
+            if TMA:
+                a = x_desc.load([pid_m * BLOCK_M, k])
+                if W_KN:
+                    b = w_desc.load([k, pid_n * BLOCK_N])
+                else:
+                    b = w_desc.load([pid_n * BLOCK_N, k]).T
+            else:
+                k_ok = (k + offs_k) < k_end
+                a = tl.load(x_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -111,14 +125,23 @@ def tile_for(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return table.get((n, k), DEFAULT_TILE)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N] in x.dtype, fp32 accumulation, batch-invariant (module doc)."""
+def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T -> [M, N] in x.dtype, fp32 accumulation, batch-invariant (module doc). tiles:
+    (BLOCK_M, BLOCK_N, warps, stages, tma) instead of `tile_for` and `tma.graph_tiles()` (benchmarks only)."""
     if not HAVE_TRITON:
         raise RuntimeError("invariant matmul needs triton")
     M, K = x.shape
     N, K_w = w.shape
     assert K == K_w, (x.shape, w.shape)
-    block_m, block_n, warps, stages = tile_for(M, N, K)
+    block_m, block_n, warps, stages, tma = tiles or (*tile_for(M, N, K), tma_tiles.wanted("matmul"))
+    w_kn = w.stride(0) == 1 and w.stride(1) != 1  # a [K, N] weight seen through .t()
+    x_desc = w_desc = None
+    if tma and M and tma_tiles.fits(x, w.t() if w_kn else w):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
+        w_desc = (TensorDescriptor.from_tensor(w.t(), [BLOCK_K, block_n]) if w_kn
+                  else TensorDescriptor.from_tensor(w, [block_n, BLOCK_K]))
     splits = splits_for(K)
     k_per_split = -(-K // splits)
     k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
@@ -126,10 +149,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
-    _matmul_kernel[grid](x, w, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                         parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps,
-                         num_stages=stages)
+    _matmul_kernel[grid](x, w, x_desc, w_desc, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0),
+                         w.stride(1), parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32,
+                         TMA=x_desc is not None, W_KN=w_kn and x_desc is not None, num_warps=warps, num_stages=stages)
     if splits > 1:
         block = 1024
         _sum_slices_kernel[(triton.cdiv(M * N, block),)](parts, out, M * N, SLICES=splits, BLOCK=block)

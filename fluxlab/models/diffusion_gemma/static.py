@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fluxlab.kernels.fp8_gemm import graph_tiles
+from fluxlab.kernels.tma import graph_tiles
 from fluxlab.models.diffusion_gemma.paged_attention import CanvasKVCache
 from fluxlab.models.diffusion_gemma.request import CanvasRequest
 from fluxlab.models.diffusion_gemma.decoding import CanvasState, CanvasStepInputs, denoise_step
@@ -158,7 +158,7 @@ class StaticDenoiser:
         self.generators = [torch.Generator(device=device) for _ in range(rows)]  # the graph's draw slots
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         if capture:
-            with graph_tiles():  # model.quantization=fp8: TMA tiles, compiled in the warm-up
+            with graph_tiles():  # GEMMs take TMA tiles (kernels/tma.py), compiled in the warm-up
                 for _ in range(2):  # warm up outside the graph (allocator, lazy inits, kernels)
                     self._step(self.generators)
                 torch.cuda.synchronize(device)

@@ -1,0 +1,47 @@
+"""TMA tiles under CUDA graphs: when the GEMM kernels load their tiles through tensor descriptors.
+
+On sm90+ a GEMM may load its x and w tiles through TMA descriptors instead of pointer loads: the same products summed
+in the same order, so the same bits, and under graph replay faster (docs/benchmarks.md, "TMA tiles for the FP8
+GEMM"). Called eagerly, though, each launch encodes its descriptors on the host, which made small GEMMs host-bound
+(2-6x slower at 32-256 rows on an H100). So a kernel takes TMA tiles only inside `graph_tiles()`, which the graph
+runners (engine/graph_runner.py, models/diffusion_gemma/static.py) open around their warm-up and capture: the TMA
+kernels compile in the warm-up, never inside a capture, and a replay reuses the descriptors captured once.
+
+FLUXLAB_TMA names the kernels that may take them: "fp8_gemm" (kernels/fp8_gemm.py, the default) and "matmul"
+(kernels/invariant_matmul.py: opt-in until it is measured on a GPU); "" none (device A/B runs).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+KERNELS = frozenset(k for k in os.environ.get("FLUXLAB_TMA", "fp8_gemm").split(",") if k)
+_scopes = 0  # how many `graph_tiles()` are open
+
+
+@contextlib.contextmanager
+def graph_tiles():
+    """Kernels named in KERNELS take TMA tiles inside (where `fits`): open it around a CUDA graph's warm-up and
+    capture. A counter, not thread-local: an eager call on another thread meanwhile takes TMA too (host time,
+    never bits)."""
+    global _scopes
+    _scopes += 1
+    try:
+        yield
+    finally:
+        _scopes -= 1
+
+
+def wanted(kernel: str) -> bool:
+    """Whether `kernel` should take TMA tiles now: inside `graph_tiles()` and named in FLUXLAB_TMA."""
+    return _scopes > 0 and kernel in KERNELS
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors fit each 2-D tensor as laid out: an sm90+ GPU, unit last stride, a row stride and an address
+    of whole 16 bytes."""
+    return (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+            and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+                    for t in tensors))
