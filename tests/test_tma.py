@@ -1,0 +1,39 @@
+"""kernels/tma.py: which GEMM kernels take TMA tiles, and only inside `graph_tiles()`."""
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def test_kernels_take_tma_tiles_only_inside_graph_tiles():
+    from fluxlab.kernels import tma
+
+    if "FLUXLAB_TMA" not in os.environ:
+        assert tma.KERNELS == {"fp8_gemm"}  # the default: the bf16 matmul is opt-in
+    assert not tma.wanted("fp8_gemm")
+    with tma.graph_tiles():
+        with tma.graph_tiles():
+            assert tma.wanted("fp8_gemm") and not tma.wanted("matmul")
+        assert tma.wanted("fp8_gemm")
+    assert not tma.wanted("fp8_gemm")
+    try:
+        with tma.graph_tiles():
+            raise RuntimeError("a failed capture")
+    except RuntimeError:
+        pass
+    assert not tma.wanted("fp8_gemm")  # the scope closes on an error too
+
+
+def test_descriptors_never_fit_cpu_tensors():
+    from fluxlab.kernels import tma
+
+    assert not tma.fits(torch.zeros(4, 64), torch.zeros(8, 64))
+
+
+def test_fluxlab_tma_names_the_kernels():
+    code = "from fluxlab.kernels import tma; print(sorted(tma.KERNELS))"
+    for value, want in (("", "[]"), ("fp8_gemm,matmul", "['fp8_gemm', 'matmul']"), ("matmul", "['matmul']")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "FLUXLAB_TMA": value}).stdout.strip()
+        assert out == want, (value, out)
