@@ -24,8 +24,8 @@ docs/benchmarks.md.)
 
 Inside `tma.graph_tiles()` (a CUDA graph's warm-up and capture, kernels/tma.py), where FLUXLAB_TMA names "matmul"
 (opt-in until measured on a GPU), the x and w tiles come through TMA descriptors on sm90+: the same chunks in the same
-order, so the same bits. A slice's chunks never straddle its end
-(k_per_split is whole chunks), so the descriptors' zero fill past K, M and N stands in for every mask.
+order, so the same bits. A slice's chunks never straddle its end (k_per_split is whole chunks), so the descriptors'
+zero fill past K, M and N stands in for every mask.
 
 `matmul(x [M, K], w [N, K])` = x @ w.T (F.linear's layout); `w` may be any strided view (the
 self-conditioning input multiplies by the embedding [V, H] itself: pass `embedding.t()`).
