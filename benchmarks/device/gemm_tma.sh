@@ -17,13 +17,13 @@ with() {  # with RUN CMD...: pointers (no TMA), default (FLUXLAB_TMA unset) or a
   case $v in pointers) FLUXLAB_TMA="" "$@";; all) FLUXLAB_TMA=fp8_gemm,matmul "$@";; *) "$@";; esac
 }
 i=0
-for v in ${LLADA_RUNS:-pointers default pointers default}; do
+for v in ${LLADA_RUNS-pointers default pointers default}; do  # LLADA_RUNS="" skips
   i=$((i + 1)); echo "LLaDA2.0-mini fp8, run $i: $v"
   with $v timeout 100 python3 -m fluxlab.bench.roofline --batch-sizes 1,64 --variants triton+graph --quantization fp8 \
     --out $OUT/roofline_${i}_$v.json 2>&1 | grep -vi warn | tail -2
 done
 q=${DG_QUANT:-none}
-for v in ${DG_RUNS:-pointers all}; do
+for v in ${DG_RUNS-pointers all}; do  # DG_RUNS="" skips
   i=$((i + 1))
   with $v timeout ${DG_TIMEOUT:-150} python3 -m fluxlab.bench.canvas --preset diffusion_gemma_26b_a4b --quantization $q \
     --graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 \
