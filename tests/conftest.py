@@ -61,3 +61,40 @@ def pytest_collection_modifyitems(config, items):
         if "slow" in item.keywords:
             item.add_marker(skip)
 
+
+
+_aiperf_build = None  # the background `python tests/aiperf_venv.py` of this session, if one was started
+
+
+def _runs_standard_clients(config) -> bool:
+    """Whether the paths pytest was given include tests/test_standard_clients.py (no path: the whole suite)."""
+    from pathlib import Path
+
+    target = Path(__file__).with_name("test_standard_clients.py").resolve()
+    if config.option.markexpr.strip() == "gpu":
+        return False
+    paths = [Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args] or [target]
+    return any(p == target or (p.is_dir() and p in target.parents) for p in paths)
+
+
+def pytest_sessionstart(session):
+    # Start aiperf's venv build (~50 s of pip) now, beside the other tests, instead of at the suite's end where
+    # test_standard_clients.py ran it alone; the test waits for it through aiperf_venv's file lock.
+    global _aiperf_build
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import aiperf_venv
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _runs_standard_clients(session.config) or not aiperf_venv.needed():
+        return
+    _aiperf_build = subprocess.Popen([sys.executable, str(Path(__file__).with_name("aiperf_venv.py"))],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    # the test waited for the build if it ran; a build it did not need (a -k that left it out) is stopped
+    if _aiperf_build is not None and _aiperf_build.poll() is None:
+        _aiperf_build.terminate()
+        _aiperf_build.wait(timeout=30)

@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fluxlab.config import PROJECT_ROOT
+import aiperf_venv
 from server_helpers import ServerProcess
 
 DOC = Path(PROJECT_ROOT) / "docs" / "bench.md"
@@ -61,22 +61,8 @@ def server(tmp_path_factory):
     proc.stop()
 
 
-def aiperf_bin() -> str:
-    """The bin/ folder holding `aiperf`: PATH's, else a venv of its own built once in the fluxlab cache
-    (aiperf 0.13.0 pins pandas~=2.3.3, rich~=14.1, prometheus-client~=0.23.1 and more below fluxlab's
-    versions, so docs/bench.md installs it apart too)."""
-    found = shutil.which("aiperf")
-    if found:
-        return str(Path(found).parent)
-    venv = Path(os.environ.get("FLUXLAB_CACHE", Path.home() / ".cache" / "fluxlab")) / "aiperf-0.13.0-venv"
-    if not (venv / "bin" / "aiperf").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "aiperf==0.13.0"], check=True, timeout=900)
-    return str(venv / "bin")
-
-
 def test_aiperf_profiles_the_held_out_prompts_as_printed(server, tmp_path):
-    bin_dir = aiperf_bin()
+    bin_dir = aiperf_venv.ensure()  # waits for the build conftest.py started, if it is still running
     script = client_script(doc_block("aiperf profile"), server.port)
     assert "--request-count 128" in script
     result = run_script(script.replace("--request-count 128", "--request-count 16"), tmp_path, extra_path=bin_dir)
