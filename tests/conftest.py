@@ -1,6 +1,11 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+import aiperf_venv
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist (make test) each worker, and every server it starts, runs torch on one
@@ -68,8 +73,6 @@ _aiperf_build = None  # the background `python tests/aiperf_venv.py` of this ses
 
 def _runs_standard_clients(config) -> bool:
     """Whether the paths pytest was given include tests/test_standard_clients.py (no path: the whole suite)."""
-    from pathlib import Path
-
     target = Path(__file__).with_name("test_standard_clients.py").resolve()
     if config.option.markexpr.strip() == "gpu":
         return False
@@ -81,12 +84,6 @@ def pytest_sessionstart(session):
     # Start aiperf's venv build (~50 s of pip) now, beside the other tests, instead of at the suite's end where
     # test_standard_clients.py ran it alone; the test waits for it through aiperf_venv's file lock.
     global _aiperf_build
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import aiperf_venv
-
     if os.environ.get("PYTEST_XDIST_WORKER") or not _runs_standard_clients(session.config) or not aiperf_venv.needed():
         return
     _aiperf_build = subprocess.Popen([sys.executable, str(Path(__file__).with_name("aiperf_venv.py"))],

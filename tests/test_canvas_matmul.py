@@ -44,8 +44,8 @@ def _interpreter_checks() -> None:
     # ragged row and column tiles, a K tail, split K and a [K, N] view; outside, pointer loads
     from fluxlab.kernels import tma
 
-    real, asked = tma.fits, []
-    tma.KERNELS = tma.KERNELS | {"matmul"}
+    real, kernels, asked = tma.fits, tma.KERNELS, []
+    tma.KERNELS = kernels | {"matmul"}
     tma.fits = lambda *tensors: asked.append(1) or True  # the CPU has no TMA: take the path regardless
     try:
         for m, k, n, transposed in [(5, 68, 33, False), (130, 64, 130, False), (3, 700, 20, True)]:
@@ -58,7 +58,7 @@ def _interpreter_checks() -> None:
             assert asked == [1]
             asked.clear()
     finally:
-        tma.fits = real
+        tma.fits, tma.KERNELS = real, kernels
     print("interpreter checks ok")
 
 
@@ -87,7 +87,6 @@ def test_invariant_matmul_on_26b_shapes():
     check(256, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1, 4))  # self-conditioning
     # the slices' sum at 16 canvases (16 fp32 slices of 4096 x 2816)
     check(4096, 262144, 2816, torch.bfloat16, "cuda", gen, transposed=True, rows=(1,))
-
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 
@@ -18,11 +19,8 @@ def test_kernels_take_tma_tiles_only_inside_graph_tiles(monkeypatch):
             assert tma.wanted("fp8_gemm") and not tma.wanted("matmul")
         assert tma.wanted("fp8_gemm")
     assert not tma.wanted("fp8_gemm")
-    try:
-        with tma.graph_tiles():
-            raise RuntimeError("a failed capture")
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError), tma.graph_tiles():
+        raise RuntimeError("a failed capture")
     assert not tma.wanted("fp8_gemm")  # the scope closes on an error too
 
 
