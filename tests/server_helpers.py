@@ -162,7 +162,7 @@ class FakeEngine:
 def fake_app(overrides: list[str] = (), **engine_kwargs):
     """The real app around a FakeEngine, for httpx.ASGITransport (start the engine loop yourself)."""
     from fluxlab.config import compose, validate_config
-    from fluxlab.engine.llm_engine import load_tokenizer
+    from fluxlab.engine.loading import load_tokenizer
     from fluxlab.server.app import build_app
     from fluxlab.server.async_engine import AsyncEngine
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 
 from fluxlab.engine.chat import encode_chat, encode_text, render_chat
-from fluxlab.engine.llm_engine import load_tokenizer
+from fluxlab.engine.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

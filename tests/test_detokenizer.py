@@ -6,7 +6,7 @@ import random
 import pytest
 
 from fluxlab.engine.detokenizer import IncrementalDetokenizer
-from fluxlab.engine.llm_engine import load_tokenizer
+from fluxlab.engine.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -64,10 +64,10 @@ def test_graph_replay_gives_the_same_tokens_as_eager(policy, monkeypatch):
     size up to 32 segments, so no batch here would pad: a sparse ladder makes both modes pad and
     split."""
     _flashinfer()
-    from fluxlab.engine import llm_engine
+    from fluxlab.engine import graph_runner
     from fluxlab.engine.request import SamplingParams
 
-    monkeypatch.setattr(llm_engine, "ladder_sizes", lambda top: {n for n in (1, 2, 4, 8, 16) if n <= top})
+    monkeypatch.setattr(graph_runner, "ladder_sizes", lambda top: {n for n in (1, 2, 4, 8, 16) if n <= top})
 
     base = ["model=llada2_mini", "model.preset=small", "model.load_format=random", "attention=flashinfer",
             "engine.dtype=bfloat16", "decoding.steps=8", f"scheduler={policy}"]

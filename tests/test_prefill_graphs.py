@@ -20,7 +20,7 @@ def _llm(*overrides):
 @pytest.mark.parametrize("backend", ["flashinfer", "fa4"])
 def test_prefill_graphs_replay_prefill_forwards_with_the_eager_tokens(backend):
     pytest.importorskip("flash_attn.cute" if backend == "fa4" else "flashinfer")
-    from fluxlab.engine.llm_engine import ladder_sizes
+    from fluxlab.engine.graph_runner import ladder_sizes
     from fluxlab.engine.request import SamplingParams
 
     base = [f"attention={backend}"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import sdar_oracle
-from fluxlab.engine.llm_engine import resolve_model_dir
+from fluxlab.engine.loading import resolve_model_dir
 from fluxlab.engine.request import SamplingParams
 from fluxlab.llm import LLM
 

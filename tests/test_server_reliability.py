@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from fluxlab.engine.chat import encode_chat
-from fluxlab.engine.llm_engine import load_tokenizer
+from fluxlab.engine.loading import load_tokenizer
 from server_helpers import MODEL, TINY, ServerProcess, fake_app, metric_value, wait_until
 
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 8}

@@ -236,7 +236,7 @@ def test_random_weight_presets_never_read_tokenizer_files_of_the_working_directo
 def test_trust_remote_code_reaches_the_tokenizer(tiny_ckpt, monkeypatch, trust):
     import transformers
 
-    from fluxlab.engine.llm_engine import load_tokenizer
+    from fluxlab.engine.loading import load_tokenizer
 
     seen = {}
     original = transformers.AutoTokenizer.from_pretrained
@@ -252,7 +252,7 @@ def test_trust_remote_code_reaches_the_tokenizer(tiny_ckpt, monkeypatch, trust):
 
 def test_graph_sizes_cover_decode_commit_and_fdfo_mixes(gpu_packages):
     from fluxlab.config import compose, validate_config
-    from fluxlab.engine.llm_engine import graph_segment_sizes
+    from fluxlab.engine.graph_runner import graph_segment_sizes
 
     def sizes(*overrides):
         cfg = compose("generate", ["engine.device=cuda", "attention=flashinfer", "decoding.block_length=32",

@@ -13,7 +13,7 @@ import pytest
 from fluxlab.engine.chat import render_chat
 from fluxlab.engine.constraint import Constraint, Grammar, GrammarVocab
 from fluxlab.engine.constraint.tools import ToolSpec, parse_reply, tool_call_grammar
-from fluxlab.engine.llm_engine import load_tokenizer
+from fluxlab.engine.loading import load_tokenizer
 from fluxlab.server.tool_calls import ToolCallStream, reply_message
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

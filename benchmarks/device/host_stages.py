@@ -3,7 +3,8 @@
 import sys, time, statistics, collections, functools
 import torch
 from fluxlab.config import compose, validate_config
-from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
+from fluxlab.engine.llm_engine import LLMEngine
+from fluxlab.engine.loading import load_tokenizer
 from fluxlab.engine.request import SamplingParams
 from fluxlab.bench.roofline import gsm8k_prompts
 from fluxlab.engine import scheduler as sched_mod, model_runner as mr_mod, graph_runner as gr_mod

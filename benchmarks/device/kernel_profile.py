@@ -7,7 +7,8 @@ import collections, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from fluxlab.config import compose, validate_config
-from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
+from fluxlab.engine.llm_engine import LLMEngine
+from fluxlab.engine.loading import load_tokenizer
 from fluxlab.engine.request import SamplingParams
 from fluxlab.bench.roofline import forward_kind, gsm8k_prompts
 

@@ -25,7 +25,7 @@ CAPTURE_BS = (1, 2, 4, 8, 16, 32, 64)
 def record_segments(policy: str, concurrency: int, num_prompts: int) -> tuple[list[list[int]], list[int], list[float]]:
     from fluxlab.bench.host_step import NoAttention, StubModel
     from fluxlab.bench.roofline import gsm8k_prompts
-    from fluxlab.engine.llm_engine import graph_segment_sizes
+    from fluxlab.engine.graph_runner import graph_segment_sizes
     from fluxlab.llm import LLM
 
     llm = LLM(overrides=["model=tiny_llada2", "engine.device=cpu", "engine.dtype=float32",

@@ -62,7 +62,8 @@ def measure(engine, prompts: list[list[int]], steps: int, traced: int) -> dict:
 def main() -> None:
     from fluxlab.bench.roofline import gsm8k_prompts
     from fluxlab.config import compose, validate_config
-    from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
+    from fluxlab.engine.llm_engine import LLMEngine
+    from fluxlab.engine.loading import load_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llada2_mini")

@@ -320,7 +320,7 @@ def main() -> None:
     engine = LLMEngine(cfg) if tp == 1 else None
     if engine is not None:
         print(f"engine built in {time.perf_counter() - t0:.1f} s ({engine.kv_total_pages} KV pages)", flush=True)
-    from fluxlab.engine.llm_engine import load_tokenizer
+    from fluxlab.engine.loading import load_tokenizer
 
     prompts = gsm8k_prompts(load_tokenizer(None), max(max_bs, args.concurrency))
     mean_prompt = statistics.mean(len(p) for p in prompts)
@@ -367,9 +367,9 @@ def main() -> None:
             engine.runner = None
         torch.cuda.empty_cache()
     if args.ttft_variants and engine is not None:
-        # The engine's graph sizes at scheduler.max_num_seqs=concurrency (llm_engine.graph_segment_sizes):
+        # The engine's graph sizes at scheduler.max_num_seqs=concurrency (graph_runner.graph_segment_sizes):
         # decode graphs {b, 2b} for b = 1, 2, 4, ..., concurrency and the ladder up to 2 * concurrency.
-        from fluxlab.engine.llm_engine import ladder_sizes
+        from fluxlab.engine.graph_runner import ladder_sizes
 
         conc = args.concurrency
         capture_bs = {min(2 ** i, conc) for i in range(conc.bit_length())} | {conc}

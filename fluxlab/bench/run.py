@@ -77,7 +77,7 @@ def request_knobs(cfg: DictConfig) -> dict[str, Any]:
 
 def _tokenizer(cfg: DictConfig) -> Any:
     """The model's tokenizer alone (online random prompts), without building an engine."""
-    from fluxlab.engine.llm_engine import load_tokenizer, resolve_model_dir
+    from fluxlab.engine.loading import load_tokenizer, resolve_model_dir
 
     return load_tokenizer(resolve_model_dir(cfg.model))
 

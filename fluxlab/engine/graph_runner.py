@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,39 @@ from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.staging import mapped_host
 from fluxlab.kernels.tma import graph_tiles
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 log = logging.getLogger("fluxlab.engine")
+
+
+def ladder_sizes(top: int) -> set[int]:
+    """Graph sizes 1..top with a step that grows with the size (1 to 32, then 2, 4 from 64, 8 from
+    128, ...): a padded forward never runs more than 1/16 more segments than it needs."""
+    sizes, n = set(), 1
+    while n <= top:
+        sizes.add(n)
+        n += 1 << (n // 32).bit_length()
+    return sizes
+
+
+def graph_segment_sizes(cfg: DictConfig) -> list[int]:
+    """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
+    row committing and decoding), and `ladder_sizes` up to the largest of those (FDFO batches mix
+    1- and 2-block rows: 16 decode rows and 2 commits are 18 segments, which a ladder of 8s pads to
+    24, one of 4s to 20; bench/graph_padding), plus cuda_graph_capture_sizes / block_length with
+    prefill graphs; never more than a forward can hold (scheduler.max_scheduled_tokens). The graphs
+    share one attention workspace, so a denser ladder costs capture time (~0.1 s a graph on an H200)
+    and little memory."""
+    attn, bl = cfg.attention, cfg.decoding.block_length
+    limit = cfg.scheduler.max_scheduled_tokens // bl
+    sizes = set()
+    if attn.use_decode_cuda_graph:
+        sizes |= {n for b in attn.cuda_graph_capture_bs for n in (b, 2 * b)}
+        sizes |= ladder_sizes(max(sizes))
+    if attn.use_prefill_cuda_graph:
+        sizes |= {t // bl for t in attn.cuda_graph_capture_sizes}
+    return sorted(n for n in sizes if 1 <= n <= limit)
 
 
 def plan_chunks(row_segments: Sequence[int], sizes: list[int], mode: str) -> Optional[list[tuple[int, int]]]:

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import numpy as np
 import torch
 
 from fluxlab.engine.block_manager import BlockManager
 from fluxlab.engine.decoding.knobs import above_ceiling, work_ceilings
 from fluxlab.engine.decoding.registry import DECODERS, KNOBS, get_decoder
-from fluxlab.engine.layers.attention import KVCache
-from fluxlab.engine.layers.kv_fp8 import kv_storage_dtype
-from fluxlab.engine.model_runner import ModelRunner, StepInputs
+from fluxlab.engine.graph_runner import graph_segment_sizes
+from fluxlab.engine.kv_budget import KVBudget
+from fluxlab.engine.loading import load_engine_model, load_tokenizer, resolve_model_dir
+from fluxlab.engine.model_runner import ModelRunner
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
 from fluxlab.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from fluxlab.engine.sequence import Request
@@ -29,98 +28,7 @@ if TYPE_CHECKING:  # the engine runs on a bare torch machine: no hydra/omegaconf
 
 log = logging.getLogger("fluxlab.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_dir(model_cfg: DictConfig) -> Optional[Path]:
-    """The checkpoint folder to read config/tokenizer (and weights) from; None for random weights
-    of a real preset whose files are not on this machine."""
-    from fluxlab.checkpoint import ensure_tiny_checkpoint
-    from fluxlab.models.registry import TINY_PRESETS
-
-    if model_cfg.path is None:
-        if model_cfg.preset in TINY_PRESETS:
-            return ensure_tiny_checkpoint(preset=model_cfg.preset)
-        if model_cfg.load_format == "random":
-            return None
-        raise ValueError(f"model.path is not set for model={model_cfg.name}")
-    path = Path(model_cfg.path).expanduser()
-    if path.is_dir():
-        return path
-    if model_cfg.load_format == "random":
-        return None
-    raise ValueError(f"model.path={model_cfg.path!r} is not a local directory. fluxlab does not download "
-                     "weights: download them and set model.path=DIR, or use model.load_format=random "
-                     "(random weights of the preset's shapes) for speed work")
-
-
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def load_tokenizer(model_dir: Optional[Path], trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from fluxlab.checkpoint import ensure_tiny_checkpoint
-
-    # Random real-preset weights have no tokenizer of their own: the tiny one's ids are all in range.
-    source = model_dir if model_dir is not None else ensure_tiny_checkpoint()
-    # model.trust_remote_code governs the tokenizer's own code in the checkpoint folder (its
-    # tokenizer_config.json auto_map); the model class is always fluxlab's, never remote code.
-    hf_logging.set_verbosity_error()
-    return AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=trust_remote_code)
-
-
-def ladder_sizes(top: int) -> set[int]:
-    """Graph sizes 1..top with a step that grows with the size (1 to 32, then 2, 4 from 64, 8 from
-    128, ...): a padded forward never runs more than 1/16 more segments than it needs."""
-    sizes, n = set(), 1
-    while n <= top:
-        sizes.add(n)
-        n += 1 << (n // 32).bit_length()
-    return sizes
-
-
-def graph_segment_sizes(cfg: DictConfig) -> list[int]:
-    """Segment counts (blocks per forward) to capture: each decode batch size and twice it (every
-    row committing and decoding), and `ladder_sizes` up to the largest of those (FDFO batches mix
-    1- and 2-block rows: 16 decode rows and 2 commits are 18 segments, which a ladder of 8s pads to
-    24, one of 4s to 20; bench/graph_padding), plus cuda_graph_capture_sizes / block_length with
-    prefill graphs; never more than a forward can hold (scheduler.max_scheduled_tokens). The graphs
-    share one attention workspace, so a denser ladder costs capture time (~0.1 s a graph on an H200)
-    and little memory."""
-    attn, bl = cfg.attention, cfg.decoding.block_length
-    limit = cfg.scheduler.max_scheduled_tokens // bl
-    sizes = set()
-    if attn.use_decode_cuda_graph:
-        sizes |= {n for b in attn.cuda_graph_capture_bs for n in (b, 2 * b)}
-        sizes |= ladder_sizes(max(sizes))
-    if attn.use_prefill_cuda_graph:
-        sizes |= {t // bl for t in attn.cuda_graph_capture_sizes}
-    return sorted(n for n in sizes if 1 <= n <= limit)
-
-
-def load_engine_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype, model_dir: Optional[Path]):
-    """(model, model_config): the checkpoint's weights (or the preset's random ones) on `device`, read by
-    the model's family, routed experts on engine.moe_backend. TP workers build their shard with the same call."""
-    from fluxlab.engine.layers.moe import StackedExperts
-
-    family = family_of_model(cfg.model).hooks()
-    model, model_config = family.load_model(cfg.model, device, dtype, model_dir, seed=cfg.engine.seed)
-    moe_backend = cfg.engine.moe_backend
-    if moe_backend == "auto":
-        # Measured on H200 (docs/benchmarks.md): the Triton kernel is ~2x torch._grouped_mm.
-        moe_backend = "triton" if device.type == "cuda" and _has_triton() else "grouped_mm"
-    for module in model.modules():
-        if isinstance(module, StackedExperts):
-            module.backend = moe_backend
-    return model, model_config
-
-
-class LLMEngine:
+class LLMEngine(KVBudget):
     runner_class = ModelRunner  # data-parallel attention's rank 0 runs a subclass
     generation_defaults: dict = {}  # the checkpoint's own knob values (Diffusion-Gemma's generation_config.json)
     request_knobs = tuple(k for k in KNOBS if k not in FAMILY_KNOBS)  # the knobs a request to this engine may set
@@ -177,17 +85,6 @@ class LLMEngine:
                                  cfg.scheduler.max_num_seqs, self.mask_id, self._decoder_special_ids(),
                                  kv_cache_dtype=cfg.model.kv_cache_dtype)
 
-    def _init_device(self, cfg: DictConfig) -> None:
-        """engine.device / dtype / seed: a bare "cuda" is pinned to the current card."""
-        self.cfg = cfg
-        self.device = torch.device(cfg.engine.device)
-        self.dtype = DTYPES[cfg.engine.dtype]
-        torch.manual_seed(cfg.engine.seed)
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
-
     def _init_requests(self) -> None:
         """The engine loop's own state: live requests, pending outputs and the run's counters."""
         self.requests: dict[str, Request] = {}
@@ -215,74 +112,6 @@ class LLMEngine:
     def _decoder_special_ids(self) -> dict[str, int]:
         names = {name for d in DECODERS.values() for name in d.special_ids}
         return {name: getattr(self.special, name) for name in names if getattr(self.special, name) is not None}
-
-    # --- memory ---
-    def _num_kv_pages(self, free_at_start: int) -> int:
-        """KV pages: scheduler.num_device_pages, else the GPU profile, else engine.cpu_kv_cache_gb;
-        never more than max_num_seqs full-length requests can use. (TP workers run the same rule.)"""
-        cfg = self.cfg
-        max_pages_useful = cfg.scheduler.max_num_seqs * (self.max_model_len // self.block_length)
-        if cfg.scheduler.num_device_pages > 0:
-            return cfg.scheduler.num_device_pages
-        if self.device.type == "cuda":
-            return min(self._profile_num_pages(free_at_start), max_pages_useful)
-        return min(int(cfg.engine.cpu_kv_cache_gb * 2**30) // self._page_bytes(), max_pages_useful)
-
-    def _page_bytes(self) -> int:
-        c = self.model_config
-        kv_heads = getattr(self.model, "num_local_kv_heads", c.num_key_value_heads)
-        return KVCache.bytes_per_page(c.num_hidden_layers, self.block_length, kv_heads, c.head_dim,
-                                      kv_storage_dtype(self.cfg.model.kv_cache_dtype, self.dtype))
-
-    def _profile_num_pages(self, free_at_start: int) -> int:
-        """Pages that fit in (gpu_memory_utilization - safety reserve) of the card after the weights
-        and a warm-up forward at the largest batch (max_scheduled_tokens of single-block rows)."""
-        eng = self.cfg.engine
-        bl = self.block_length
-        rows = self.cfg.scheduler.max_scheduled_tokens // bl
-        probe = ModelRunner(self.model, rows, bl, self.device, self.dtype, self.cfg.attention.backend,
-                            self.max_model_len // bl, self.cfg.scheduler.max_num_seqs, self.mask_id,
-                            kv_cache_dtype=self.cfg.model.kv_cache_dtype)
-        # The widest forward: every row one block, every seat's block needing logits at each position.
-        decoding = min(rows, self.cfg.scheduler.max_num_seqs) * bl
-        fake = StepInputs(np.zeros(rows * bl, dtype=np.int64), np.tile(np.arange(bl), rows),
-                          [(0, 1, r * bl < decoding, [r]) for r in range(rows)], np.arange(decoding))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        _, logits, _, _ = probe.execute(fake)
-        if self.special.delete_id is not None:
-            self._probe_levenshtein_step(logits.view(-1, bl, logits.shape[-1]))
-        del logits
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - probe.cache.k.nbytes - probe.cache.v.nbytes
-        del probe
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free_at_start
-        budget = total * (eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve) - used_by_others - peak
-        pages = int(budget // self._page_bytes())
-        if pages < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache: weights + activations take {peak / 2**30:.1f} GiB "
-                               f"of a {eng.gpu_memory_utilization - eng.gpu_memory_safety_reserve:.2f} share; raise "
-                               "engine.gpu_memory_utilization or lower scheduler.max_scheduled_tokens")
-        log.info("KV profile: peak %.2f GiB with weights, budget %.2f GiB -> %d pages", peak / 2**30,
-                 budget / 2**30, pages)
-        return pages
-
-    def _probe_levenshtein_step(self, logits: torch.Tensor) -> None:
-        """An LLaDA2.2 model may run levenshtein_joint on every seat at once, and its step works on
-        fp32 copies of the seats' full logits: run one on the probe's logits so the peak counts it."""
-        from fluxlab.engine.decoding.levenshtein_joint import LevenshteinKnobs, LevenshteinState, levenshtein_step
-
-        rows, bl = logits.shape[0], logits.shape[1]
-        block = torch.full((rows, bl), self.mask_id, dtype=torch.long, device=self.device)
-        prompt = torch.zeros(rows, dtype=torch.long, device=self.device)
-        state = LevenshteinState.empty(rows, bl, 2, self.device)
-        state.enter_block(torch.arange(rows, device=self.device), block, prompt, self.mask_id)
-        ones = torch.ones(rows, dtype=torch.long, device=self.device)
-        knobs = LevenshteinKnobs(ones.float() * 0.5, ones.float() * 0.0, ones * bl, ones * 16, ones * 1000)
-        levenshtein_step(logits, block, prompt, state, knobs, mask_id=self.mask_id,
-                         delete_id=self.special.delete_id, split_id=self.special.split_id)
 
     # --- requests ---
     @property

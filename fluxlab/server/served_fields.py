@@ -73,7 +73,7 @@ def _checkpoint_knobs(model: Any) -> dict:
 def _runnable_decoders(cfg: Any) -> tuple[str, ...]:
     """The block decoders whose special tokens the model has (levenshtein_joint needs LLaDA2.2's
     delete and split ids): the rule of the engine's `_missing_special_ids`, on the same ids."""
-    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loading import resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(cfg.model)

@@ -57,7 +57,7 @@ Served = Annotated[ServedModel, Depends(served_model)]
 def _model_root(cfg: DictConfig) -> str:
     """vLLM's `root`: the local folder the weights and tokenizer came from (the embedded model's
     cache folder too); the configured path or name for random weights without files."""
-    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loading import resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(cfg.model)

@@ -44,13 +44,13 @@ def free_port() -> int:
 
 
 def model_config_for(cfg: DictConfig):
-    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loading import resolve_model_dir
 
     return family_of_model(cfg.model).hooks().model_config(resolve_model_dir(cfg.model), cfg.model.preset)
 
 
 def special_ids_for(cfg: DictConfig):
-    from fluxlab.engine.llm_engine import resolve_model_dir
+    from fluxlab.engine.loading import resolve_model_dir
 
     return family_of_model(cfg.model).hooks().special_ids(resolve_model_dir(cfg.model), preset=cfg.model.preset)
 

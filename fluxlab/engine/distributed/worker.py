@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fluxlab.engine.layers.linear import ParallelDims, set_parallel_dims
+from fluxlab.engine.kv_budget import KVBudget
 from fluxlab.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("fluxlab.engine")
@@ -69,23 +70,13 @@ class RankEngine(MinPagesOverRanks, LLMEngine):
         super().__init__(cfg)
 
 
-class _ModelOnly:
-    """The part of LLMEngine a worker runs: page count and profile (the same forwards in the same
-    order as rank 0's, so every collective matches), borrowed rather than rewritten."""
-
-    _init_device = LLMEngine._init_device
-    _num_kv_pages = LLMEngine._num_kv_pages
-    _page_bytes = LLMEngine._page_bytes
-    _profile_num_pages = LLMEngine._profile_num_pages
-    _probe_levenshtein_step = LLMEngine._probe_levenshtein_step
-
-
-class WorkerEngine(MinPagesOverRanks, _ModelOnly):
+class WorkerEngine(MinPagesOverRanks, KVBudget):
     """A TP/EP worker: its model shard, KV pages and runner, and no scheduler or tokenizer. Rank 0
     computed the special ids (`special`) before starting it."""
 
     def __init__(self, cfg, control, special):
-        from fluxlab.engine.llm_engine import graph_segment_sizes, load_engine_model, resolve_model_dir
+        from fluxlab.engine.graph_runner import graph_segment_sizes
+        from fluxlab.engine.loading import load_engine_model, resolve_model_dir
         from fluxlab.engine.model_runner import ModelRunner
 
         self._init_device(cfg)

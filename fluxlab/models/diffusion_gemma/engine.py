@@ -24,7 +24,8 @@ from fluxlab.models.diffusion_gemma.pages import CanvasBlockManager, sliding_rin
 from fluxlab.models.diffusion_gemma.request import CanvasRequest
 from fluxlab.models.diffusion_gemma.runner import CanvasRunner, kv_shapes
 from fluxlab.models.diffusion_gemma.decoding import CANVAS_KNOBS, CanvasKnobs, read_generation_defaults
-from fluxlab.engine.llm_engine import LLMEngine, load_tokenizer
+from fluxlab.engine.llm_engine import LLMEngine
+from fluxlab.engine.loading import load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
 from fluxlab.engine.scheduler import ScheduledBatch, Scheduler
 from fluxlab.engine.stop import StopStrings

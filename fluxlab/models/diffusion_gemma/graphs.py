@@ -30,7 +30,7 @@ log = logging.getLogger("fluxlab.engine")
 
 
 # Denoiser graphs are captured when first needed (seconds each at 26B-A4B), so their ladder is
-# sparser than LLMEngine's (llm_engine.ladder_sizes, captured up front in ~0.1 s a graph).
+# sparser than LLMEngine's (graph_runner.ladder_sizes, captured up front in ~0.1 s a graph).
 ROW_LADDER_STEP = 4
 
 
