@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from fluxlab.engine.model_runner import StepInputs
+from fluxlab.engine.runner_inputs import StepInputs
 from fluxlab.models.llada2.model import LLaDA2MoeConfig, check_parallel
 from fluxlab.engine.request import SamplingParams
 from fluxlab.llm import LLM

@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from fluxlab.engine.distributed.step_channel import StepReader, StepWriter
-from fluxlab.engine.model_runner import StepInputs
+from fluxlab.engine.runner_inputs import StepInputs
 
 BL, MASK = 4, 99
 

@@ -13,7 +13,8 @@ import torch
 from fluxlab.engine.layers.attention import KVCache
 from fluxlab.engine.layers.kv_fp8 import kv_storage_dtype
 from fluxlab.engine.loading import DTYPES
-from fluxlab.engine.model_runner import ModelRunner, StepInputs
+from fluxlab.engine.model_runner import ModelRunner
+from fluxlab.engine.runner_inputs import StepInputs
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

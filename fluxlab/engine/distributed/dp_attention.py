@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fluxlab.engine.block_manager import BlockManager, CachedBlock
-from fluxlab.engine.model_runner import ModelRunner, StepInputs
+from fluxlab.engine.model_runner import ModelRunner
+from fluxlab.engine.runner_inputs import StepInputs
 from fluxlab.engine.sequence import Request
 
 

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from fluxlab.engine.model_runner import StepInputs
+from fluxlab.engine.runner_inputs import StepInputs
 
 _DOORBELL = struct.Struct("<ii")  # (region, message bytes); region -1: shut down
 _HEADER = struct.Struct("<10i")
