@@ -386,7 +386,7 @@ def test_engine_forward_with_the_kernel_is_sdpas_on_the_gpu(gpu_checkpoint, dtyp
     0.54, argmax agreement 0.998; fp32 1.3e-5, agreement 1.0. (The kernel and sdpa each sit within 1.7e-3
     (bf16) / 1.8e-6 (fp32) of fp64 math at every attention call of 12 engine steps there:
     benchmarks/device/canvas_attention_probe.py.)"""
-    from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+    from fluxlab.engine.batch import ScheduledBatch, ScheduledRow
     from fluxlab.models.diffusion_gemma.paged_attention import PagedCanvasAttention
 
     llm = _gpu_llm(gpu_checkpoint, dtype, "sdpa", False)

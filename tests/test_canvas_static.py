@@ -96,7 +96,7 @@ def test_static_step_matches_eager_step_values(one_thread):
     bit: full layers gather 16 prefix keys where the eager batch gathers its longest row's 13, and
     CPU sdpa blocks a longer key axis differently; the eager path pads every row to its batch's
     longest prefix the same way, which is why parity with transformers is per token)."""
-    from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+    from fluxlab.engine.batch import ScheduledBatch, ScheduledRow
 
     eager, static = LLM(overrides=BASE), static_llm([4])
     vocab = eager.engine.model_config.vocab_size

@@ -79,7 +79,7 @@ def step_batches(engine, batch: int, prompt_tokens: int):
     prompt K/V counts as cached: a denoising step, a commit alone, and a commit + denoise step."""
     from fluxlab.models.diffusion_gemma.request import CanvasRequest
     from fluxlab.models.diffusion_gemma.decoding import CanvasKnobs
-    from fluxlab.engine.scheduler import ScheduledBatch, ScheduledRow
+    from fluxlab.engine.batch import ScheduledBatch, ScheduledRow
 
     runner, L = engine.runner, engine.block_length
     prompt_pages = -(-prompt_tokens // L)

@@ -18,7 +18,8 @@ from fluxlab.engine.kv_budget import KVBudget
 from fluxlab.engine.loading import load_engine_model, load_tokenizer, resolve_model_dir
 from fluxlab.engine.model_runner import ModelRunner
 from fluxlab.engine.request import EngineFatalError, InvalidRequest, RequestOutput, SamplingParams, next_request_id
-from fluxlab.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from fluxlab.engine.batch import ScheduledBatch, StepOutput
+from fluxlab.engine.scheduler import Scheduler
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.stop import StopStrings
 from fluxlab.models.registry import FAMILY_KNOBS, family_of_model, owner_of

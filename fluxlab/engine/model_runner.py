@@ -29,7 +29,7 @@ from fluxlab.engine.layers.attention import AttentionMetadata, SdpaAttention, bu
 from fluxlab.engine.layers.kv_fp8 import make_kv_cache
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.runner_inputs import DecodeInputs, Launched, RowArrays, StepInputs
-from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
+from fluxlab.engine.batch import ScheduledBatch, StepOutput
 from fluxlab.engine.sequence import Request
 from fluxlab.engine.staging import HostStaging
 from fluxlab.engine.step_state import StepState

@@ -27,7 +27,8 @@ from fluxlab.models.diffusion_gemma.decoding import CANVAS_KNOBS, CanvasKnobs, r
 from fluxlab.engine.llm_engine import LLMEngine
 from fluxlab.engine.loading import load_tokenizer
 from fluxlab.engine.request import InvalidRequest, SamplingParams
-from fluxlab.engine.scheduler import ScheduledBatch, Scheduler
+from fluxlab.engine.batch import ScheduledBatch
+from fluxlab.engine.scheduler import Scheduler
 from fluxlab.engine.stop import StopStrings
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class CanvasEngine(LLMEngine):
     def _profile_canvas_pages(self, sliding_bytes: int) -> int:
         """Pages in (gpu_memory_utilization - safety reserve) of the card after the weights and a
         canvas step at max_num_seqs rows (its logits dominate: rows x canvas x vocab in fp32)."""
-        from fluxlab.engine.scheduler import ScheduledRow
+        from fluxlab.engine.batch import ScheduledRow
 
         eng, L = self.cfg.engine, self.block_length
         rows = self.cfg.scheduler.max_num_seqs

@@ -24,7 +24,7 @@ import time
 import torch
 
 from fluxlab.models.diffusion_gemma.static import StaticDenoiser
-from fluxlab.engine.scheduler import ScheduledBatch
+from fluxlab.engine.batch import ScheduledBatch
 
 log = logging.getLogger("fluxlab.engine")
 

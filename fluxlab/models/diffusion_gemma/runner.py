@@ -33,7 +33,7 @@ from fluxlab.models.diffusion_gemma.paged_attention import (CanvasKVCache, Canva
 from fluxlab.models.diffusion_gemma.graphs import CanvasGraphs
 from fluxlab.models.diffusion_gemma.request import CanvasRequest
 from fluxlab.models.diffusion_gemma.decoding import CanvasState, canvas_step
-from fluxlab.engine.scheduler import ScheduledBatch, StepOutput
+from fluxlab.engine.batch import ScheduledBatch, StepOutput
 
 
 def kv_shapes(text_config) -> list[tuple[int, int]]:
