@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fluxlab.server.protocol import ToolCallFunction
+from fluxlab.server.chat_messages import ToolCallFunction
 
 
 class ErrorDetail(BaseModel):
