@@ -11,7 +11,7 @@ def test_kernels_take_tma_tiles_only_inside_graph_tiles(monkeypatch):
     from fluxlab.kernels import tma
 
     if "FLUXLAB_TMA" not in os.environ:
-        assert tma.KERNELS == {"fp8_gemm"}  # the default: the bf16 matmul is opt-in
+        assert tma.KERNELS == {"fp8_gemm", "matmul"}  # the default: both GEMM kernels
     monkeypatch.setattr(tma, "KERNELS", frozenset({"fp8_gemm"}))
     assert not tma.wanted("fp8_gemm")
     with tma.graph_tiles():

@@ -39,8 +39,10 @@ GROUP = 128  # the activation group and weight block width along K: BLOCK_K must
 # path, the same K order; the sweep's bit check and test_fp8_rows_do_not_depend_on_the_batch), so rows
 # stay batch invariant. H100 (benchmarks/device/diffusion_gemma_matmul_tiles.py --fp8, docs/benchmarks.md):
 # 128 wide wins at 2048-4096 rows (LLaDA2.0-mini 2.13 vs 2.44 ms a step, DG 26.0 vs 30.2), loses at 256
-# (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms.
-BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 8
+# (DG 9.9 vs 6.9) and cost LLaDA's batch-1 forward ~0.1 ms. The wide tiles take 3 stages, not 4: H200 sweep
+# with TMA tiles under graphs, 2026-12-07 (benchmarks/device/gemm_tma.py --sweep), DG's GEMMs a step at 4096 rows
+# 21.0 -> 19.0 ms, LLaDA's at 2048 1.61 either way, the same bits.
+BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, WIDE_STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 3, 8
 # x and w tiles through TMA descriptors inside `tma.graph_tiles()` (kernels/tma.py: a CUDA graph's warm-up and
 # capture): the same bits as pointer loads, faster under graphs at 32-4096 rows on an H100.
 
@@ -163,7 +165,8 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    default = (BLOCK_M, WIDE_N if m >= WIDE_ROWS else BLOCK_N, WARPS, STAGES, tma_tiles.wanted("fp8_gemm"))
+    wide = m >= WIDE_ROWS
+    default = (BLOCK_M, WIDE_N if wide else BLOCK_N, WARPS, WIDE_STAGES if wide else STAGES, tma_tiles.wanted("fp8_gemm"))
     block_m, block_n, warps, stages, tma = (*tiles, 0)[:5] if tiles else default
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)

@@ -23,7 +23,7 @@ batch 1, +7 ms at batch 16, where a program walking its slices pipelines its loa
 docs/benchmarks.md.)
 
 Inside `tma.graph_tiles()` (a CUDA graph's warm-up and capture, kernels/tma.py), where FLUXLAB_TMA names "matmul"
-(opt-in until measured on a GPU), the x and w tiles come through TMA descriptors on sm90+: the same chunks in the same
+(the default), the x and w tiles come through TMA descriptors on sm90+: the same chunks in the same
 order, so the same bits. A slice's chunks never straddle its end (k_per_split is whole chunks), so the descriptors'
 zero fill past K, M and N stands in for every mask.
 
@@ -44,12 +44,15 @@ SMALL_ROWS = 512  # up to two canvases take SMALL_TILES
 # H200 sweep 2026-12-04 (benchmarks/device/diffusion_gemma_matmul_tiles.py; docs/benchmarks/
 # 2026-12-04_h200_diffusion_gemma_matmul_tiles.txt), us at 256 rows, default -> this: q/k/v 35 -> 30,
 # o 40 -> 28 and 72 -> 51 (full layers), gate/up 31 -> 23, down 22 -> 17, router 17 -> 16; ~0.9 ms a
-# step at one canvas. At 4096 rows the default wins every shape but the router's 128 columns.
+# step at one canvas. At 4096 rows the default wins every shape but the router's 128 columns. The
+# self-conditioning product (the embedding as [K, N], (2816, 262144)) takes 128x256 tiles: H200 sweep with TMA
+# tiles under graphs, 2026-12-07 (benchmarks/device/gemm_tma.py --sweep), 0.62 -> 0.56 ms at 256 rows and
+# 10.9 -> 8.9 ms at 4096, the same bits.
 SMALL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (8192, 2816): (64, 128, 4, 4), (2816, 4096): (64, 64, 4, 4), (2816, 8192): (64, 64, 4, 4),
     (4224, 2816): (64, 64, 4, 4), (2112, 2816): (64, 64, 4, 4), (2816, 2112): (64, 64, 4, 4),
-    (128, 2816): (64, 32, 4, 4)}
-LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {(128, 2816): (64, 64, 4, 4)}
+    (128, 2816): (64, 32, 4, 4), (2816, 262144): (128, 256, 8, 3)}
+LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {(128, 2816): (64, 64, 4, 4), (2816, 262144): (128, 256, 8, 3)}
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
 
 if HAVE_TRITON:

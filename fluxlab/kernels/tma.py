@@ -7,8 +7,9 @@ GEMM"). Called eagerly, though, each launch encodes its descriptors on the host,
 runners (engine/graph_runner.py, models/diffusion_gemma/static.py) open around their warm-up and capture: the TMA
 kernels compile in the warm-up, never inside a capture, and a replay reuses the descriptors captured once.
 
-FLUXLAB_TMA names the kernels that may take them: "fp8_gemm" (kernels/fp8_gemm.py, the default) and "matmul"
-(kernels/invariant_matmul.py: opt-in until it is measured on a GPU); "" none (device A/B runs).
+FLUXLAB_TMA names the kernels that may take them, by default both: "fp8_gemm" (kernels/fp8_gemm.py) and "matmul"
+(kernels/invariant_matmul.py; on an H200 on 2026-12-07 it kept the bits and took Diffusion-Gemma's bf16 denoising step
+at batch 16 from ~98 to ~95 ms, docs/benchmarks.md); "" none (device A/B runs).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 
 import torch
 
-KERNELS = frozenset(k for k in os.environ.get("FLUXLAB_TMA", "fp8_gemm").split(",") if k)
+KERNELS = frozenset(k for k in os.environ.get("FLUXLAB_TMA", "fp8_gemm,matmul").split(",") if k)
 _scopes = 0  # how many `graph_tiles()` are open
 
 
