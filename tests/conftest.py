@@ -67,7 +67,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-
 _aiperf_build = None  # the background `python tests/aiperf_venv.py` of this session, if one was started
 
 

@@ -16,9 +16,9 @@ as programs plus a summing kernel when tiles are few, walked by one program othe
 256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md). Taking two K-blocks an iteration (both dots
 before either add, the same bits) was slower at 256-4096 rows under graphs. What did pay is TMA tiles (TMA below).
 
-Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N only by row count, which leaves
-the bits unchanged), the reduction of every output element is the K-blocks in order into one fp32
-accumulator (no split-K), and no host reads.
+Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N and the pipeline stages only by row
+count, which leaves the bits unchanged), the reduction of every output element is the K-blocks in order into
+one fp32 accumulator (no split-K), and no host reads.
 
 Quantization arithmetic matches `quantize_token_groups` bit for bit: per group, amax (at least
 1e-10), inv = 448 / amax and s = amax / 448 by IEEE divisions (`div_rn`; Triton's plain fp32 `/` is
@@ -165,8 +165,8 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    wide = m >= WIDE_ROWS
-    default = (BLOCK_M, WIDE_N if wide else BLOCK_N, WARPS, WIDE_STAGES if wide else STAGES, tma_tiles.wanted("fp8_gemm"))
+    block_n, stages = (WIDE_N, WIDE_STAGES) if m >= WIDE_ROWS else (BLOCK_N, STAGES)
+    default = (BLOCK_M, block_n, WARPS, stages, tma_tiles.wanted("fp8_gemm"))
     block_m, block_n, warps, stages, tma = (*tiles, 0)[:5] if tiles else default
     n, k_w = weight.shape
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)

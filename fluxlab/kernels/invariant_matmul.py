@@ -48,11 +48,13 @@ SMALL_ROWS = 512  # up to two canvases take SMALL_TILES
 # self-conditioning product (the embedding as [K, N], (2816, 262144)) takes 128x256 tiles: H200 sweep with TMA
 # tiles under graphs, 2026-12-07 (benchmarks/device/gemm_tma.py --sweep), 0.62 -> 0.56 ms at 256 rows and
 # 10.9 -> 8.9 ms at 4096, the same bits.
+SELF_CONDITIONING_TILE = (128, 256, 8, 3)
 SMALL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (8192, 2816): (64, 128, 4, 4), (2816, 4096): (64, 64, 4, 4), (2816, 8192): (64, 64, 4, 4),
     (4224, 2816): (64, 64, 4, 4), (2112, 2816): (64, 64, 4, 4), (2816, 2112): (64, 64, 4, 4),
-    (128, 2816): (64, 32, 4, 4), (2816, 262144): (128, 256, 8, 3)}
-LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {(128, 2816): (64, 64, 4, 4), (2816, 262144): (128, 256, 8, 3)}
+    (128, 2816): (64, 32, 4, 4), (2816, 262144): SELF_CONDITIONING_TILE}
+LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (128, 2816): (64, 64, 4, 4), (2816, 262144): SELF_CONDITIONING_TILE}
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
 
 if HAVE_TRITON:
