@@ -33,6 +33,7 @@ import torch
 
 from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
+from fluxlab.kernels.tile_order import grouped_tile
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
 # 64-wide output tiles below WIDE_ROWS rows, 128-wide from there: the same bits either way (one wgmma
@@ -99,11 +100,7 @@ if HAVE_TRITON:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n   # grouped order: neighbouring programs share weight strips in L2
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)

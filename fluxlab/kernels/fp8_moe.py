@@ -32,6 +32,7 @@ from fluxlab.kernels.fp8_gemm import GROUP, quant_tile, quantize_act
 from fluxlab.kernels.fused_norm import _tl_dtype
 from fluxlab.kernels.fused_moe import ACTIVATIONS, combine_slots
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, triton
+from fluxlab.kernels.tile_order import grouped_tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +60,6 @@ def default_config() -> FP8MoEConfig:
 
 if HAVE_TRITON:
     @triton.jit
-    def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
-        return pid_m, pid_n
-
-    @triton.jit
     def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_ids_ptr, expert_ids_ptr,
                             total_ptr, N, TOPK, H, I, num_pid_m, stride_xm, stride_xsm, stride_we, stride_wn,
                             stride_wse, stride_wsn, stride_om, stride_osm, BLOCK_M: tl.constexpr,
@@ -77,7 +68,7 @@ if HAVE_TRITON:
         # BLOCK_N == BLOCK_K: a program's columns are one 128-wide group of the intermediate, which its
         # epilogue quantizes for the down GEMM.
         pid = tl.program_id(0)
-        pid_m, pid_n = _tile_ids(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,7 +123,7 @@ if HAVE_TRITON:
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                          EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
-        pid_m, pid_n = _tile_ids(pid, num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

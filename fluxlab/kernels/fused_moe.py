@@ -43,21 +43,10 @@ import torch.nn.functional as F
 from fluxlab.kernels.moe_align import (HAVE_TRITON, _interpret, _patch_interpreter_for_numpy2,  # noqa: F401
                                        max_padded_rows, moe_align, tl, triton)
 from fluxlab.kernels.moe_config import MoEConfig, default_config
+from fluxlab.kernels.tile_order import grouped_tile
 
 if HAVE_TRITON:
     from fluxlab.kernels.fused_norm import _rnd, _tl_dtype
-
-    @triton.jit
-    def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-        # Grouped ordering: consecutive programs share pid_n and walk GROUP_M row blocks (mostly
-        # the same expert at large T), so a weight strip is reused from L2.
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
-        return pid_m, pid_n
 
     @triton.jit
     def _gate_up_rows(x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, row0, e_ptr, pid_n, N, TOPK, H, I,
@@ -127,7 +116,7 @@ if HAVE_TRITON:
                         IEEE: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(I, BLOCK_N)
-        pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
             row0 = pid_m * BLOCK_M
@@ -208,7 +197,7 @@ if HAVE_TRITON:
                      IEEE: tl.constexpr, TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(H, BLOCK_N)
-        pid_m, pid_n = _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M < total:
             row0 = pid_m * BLOCK_M

@@ -36,6 +36,7 @@ import torch
 
 from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
+from fluxlab.kernels.tile_order import grouped_tile
 
 BLOCK_K, GROUP_M = 64, 8  # BLOCK_K is the reduction's chunk: one value, never per shape or row count
 DEFAULT_TILE = (128, 128, 8, 3)  # (BLOCK_M, BLOCK_N, warps, stages)
@@ -68,11 +69,7 @@ if HAVE_TRITON:
         split = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n  # grouped order: neighbouring programs share weight strips in L2
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
