@@ -44,9 +44,10 @@ def _interpreter_checks() -> None:
     # ragged row and column tiles, a K tail, split K and a [K, N] view; outside, pointer loads
     from fluxlab.kernels import tma
 
-    real, kernels, asked = tma.fits, tma.KERNELS, []
+    real, kernels, asked, programs = tma.fits, tma.KERNELS, [], tma.programs
     tma.KERNELS = kernels | {"matmul"}
     tma.fits = lambda *tensors: asked.append(1) or True  # the CPU has no TMA: take the path regardless
+    tma.programs = lambda device, per_sm, tiles: min(tiles, 2 * per_sm)  # no SMs to count
     try:
         for m, k, n, transposed in [(5, 68, 33, False), (130, 64, 130, False), (3, 700, 20, True)]:
             x = torch.randn(m, k, generator=gen)
@@ -55,10 +56,14 @@ def _interpreter_checks() -> None:
             assert not asked
             with tma.graph_tiles():
                 assert torch.equal(im.matmul(x, w), pointers), (m, k, n)
-            assert asked == [1]
+                for variant in ("plain", "ws", "flat2"):  # FLUXLAB_PERSISTENT: the same tiles, two programs walk them
+                    tma.PERSISTENT = {"matmul": tma.PERSISTENT_VARIANTS[variant]}
+                    assert torch.equal(im.matmul(x, w), pointers), (m, k, n, variant)
+                    tma.PERSISTENT = {}
+            assert asked == [1, 1, 1, 1]
             asked.clear()
     finally:
-        tma.fits, tma.KERNELS = real, kernels
+        tma.fits, tma.KERNELS, tma.PERSISTENT, tma.programs = real, kernels, {}, programs
     print("interpreter checks ok")
 
 

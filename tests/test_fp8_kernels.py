@@ -186,8 +186,9 @@ def _interpreter_checks() -> None:
     # with M below the 64-row tile, K a 16- but not a 128-multiple, several tiles; outside, pointer loads
     from fluxlab.kernels import tma
 
-    real, asked = tma.fits, []
+    real, asked, programs = tma.fits, [], tma.programs
     tma.fits = lambda *tensors: asked.append(1) or True   # the CPU has no TMA: take the path regardless
+    tma.programs = lambda device, per_sm, tiles: min(tiles, 2 * per_sm)  # no SMs to count
     try:
         for m, n, k in [(1, 64, 128), (5, 256, 272), (70, 192, 640)]:
             x = torch.randn(m, k, generator=gen)
@@ -196,11 +197,29 @@ def _interpreter_checks() -> None:
             assert not asked
             with tma.graph_tiles():
                 assert torch.equal(fp8_matmul(x, q, s), pointers), (m, n, k)
-            assert asked == [1]
+                assert torch.equal(fp8_matmul(x, q, s, tiles=(64, 128, 4, 3, 1)), pointers), (m, n, k)  # NARROW_TILES
+                for variant in ("plain", "ws", "flat2"):  # FLUXLAB_PERSISTENT: the same tiles, two programs walk them
+                    tma.PERSISTENT = {"fp8_gemm": tma.PERSISTENT_VARIANTS[variant]}
+                    assert torch.equal(fp8_matmul(x, q, s), pointers), (m, n, k, variant)
+                    tma.PERSISTENT = {}
+            assert asked == [1, 1, 1, 1, 1]
             asked.clear()
     finally:
-        tma.fits = real
+        tma.fits, tma.PERSISTENT, tma.programs = real, {}, programs
     print("interpreter checks ok")
+
+
+def test_fp8_tiles_follow_rows_and_weight_shape_on_64_row_tiles():
+    """The GEMM's tile: the per-shape tile below WIDE_ROWS (Diffusion-Gemma's fused q/k/v), the wide one from there
+    for every shape, the default otherwise; all 64 rows high (the one wgmma path whose bits the sweeps checked)."""
+    from fluxlab.kernels import fp8_gemm
+
+    assert fp8_gemm.tile_for(256, 8192, 2816) == (64, 128, 4, 3)
+    assert fp8_gemm.tile_for(1023, 9216, 2816) == (64, 128, 4, 3)
+    assert fp8_gemm.tile_for(1024, 8192, 2816) == fp8_gemm.tile_for(4096, 2048, 2048) == (64, 128, 4, 3)
+    assert fp8_gemm.tile_for(32, 3072, 2048) == (64, 64, 4, 4)
+    tiles = [fp8_gemm.tile_for(m, n, k) for m in (1, 1024) for n, k in [*fp8_gemm.NARROW_TILES, (2048, 2048)]]
+    assert all(block_m == 64 for block_m, *_ in tiles), tiles
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
@@ -298,11 +317,12 @@ def test_fp8_rows_do_not_depend_on_the_batch_and_replay_in_a_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA sm90+ and triton")
-@pytest.mark.parametrize("n,k", [(2048, 2048), (2816, 2112), (300, 200), (384, 272)])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (2816, 2112), (300, 200), (384, 272), (8192, 2816)])
 def test_fp8_matmul_in_a_graph_takes_tma_tiles_with_the_eager_bits(n, k, monkeypatch):
     """Inside graph_tiles() (a graph's warm-up and capture) the GEMM loads tiles through TMA descriptors where
     K is a multiple of 16 (200 is not; 2112 and 272 are not whole 128-blocks): warm-up and captured rows equal
-    the eager (pointer-load) rows, and every row count gives a row the bits it has in 2048 rows."""
+    the eager (pointer-load) rows, and every row count gives a row the bits it has in 2048 rows (8192 x 2816:
+    Diffusion-Gemma's q/k/v, on its `NARROW_TILES` tile below WIDE_ROWS)."""
     from fluxlab.kernels import tma
     from fluxlab.kernels.fp8_gemm import fp8_matmul
 

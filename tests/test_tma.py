@@ -36,3 +36,14 @@ def test_fluxlab_tma_names_the_kernels():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "FLUXLAB_TMA": value}).stdout.strip()
         assert out == want, (value, out)
+
+
+def test_fluxlab_persistent_names_kernel_and_variant_or_is_refused():
+    from fluxlab.kernels import tma
+
+    assert tma._persistent_from_env("") == {}
+    assert tma._persistent_from_env("matmul=ws,fp8_gemm=flat2") == {"matmul": (True, True, 1),
+                                                                      "fp8_gemm": (True, False, 2)}
+    for bad in ("matmul", "matmul=fast", "moe=flat"):
+        with pytest.raises(ValueError, match="FLUXLAB_PERSISTENT"):
+            tma._persistent_from_env(bad)

@@ -49,8 +49,7 @@ COPIES_BYTES = 160e6  # weight copies a GEMM rotates through: past the 50 MB L2 
 
 def shipped(kind: str, rows: int, n: int, k: int) -> tuple:
     if kind == "fp8":
-        return (fp8_gemm.BLOCK_M, fp8_gemm.WIDE_N if rows >= fp8_gemm.WIDE_ROWS else fp8_gemm.BLOCK_N,
-                fp8_gemm.WARPS, fp8_gemm.STAGES)
+        return fp8_gemm.tile_for(rows, n, k)
     return im.tile_for(rows, n, k)
 
 

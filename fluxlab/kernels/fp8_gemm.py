@@ -16,9 +16,9 @@ as programs plus a summing kernel when tiles are few, walked by one program othe
 256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md). Taking two K-blocks an iteration (both dots
 before either add, the same bits) was slower at 256-4096 rows under graphs. What did pay is TMA tiles (TMA below).
 
-Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N and the pipeline stages only by row
-count, which leaves the bits unchanged), the reduction of every output element is the K-blocks in order into
-one fp32 accumulator (no split-K), and no host reads.
+Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N and the pipeline stages by row count
+and weight shape, `tile_for`, which leaves the bits unchanged), the reduction of every output element is the
+K-blocks in order into one fp32 accumulator (no split-K), and no host reads.
 
 Quantization arithmetic matches `quantize_token_groups` bit for bit: per group, amax (at least
 1e-10), inv = 448 / amax and s = amax / 448 by IEEE divisions (`div_rn`; Triton's plain fp32 `/` is
@@ -44,6 +44,11 @@ GROUP = 128  # the activation group and weight block width along K: BLOCK_K must
 # with TMA tiles under graphs, 2026-12-07 (benchmarks/device/gemm_tma.py --sweep), DG's GEMMs a step at 4096 rows
 # 21.0 -> 19.0 ms, LLaDA's at 2048 1.61 either way, the same bits.
 BLOCK_M, BLOCK_N, WIDE_N, WIDE_ROWS, WARPS, STAGES, WIDE_STAGES, GROUP_M = 64, 64, 128, 1024, 4, 4, 3, 8
+# Below WIDE_ROWS, by weight shape (N, K): H200 sweep with TMA tiles under graphs, 2026-12-07 (gemm_tma.py --sweep,
+# docs/benchmarks/2026-12-07_h200_gemm_tma_fp8_sweep.txt), us at 256 rows: Diffusion-Gemma's fused q/k/v 27.2 -> 20.6
+# (sliding layers) and 28.0 -> 24.3 (full layers), ~0.18 ms a step at one canvas; the same bits.
+NARROW_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {(8192, 2816): (64, 128, 4, 3),
+                                                                   (9216, 2816): (64, 128, 4, 3)}
 # x and w tiles through TMA descriptors inside `tma.graph_tiles()` (kernels/tma.py: a CUDA graph's warm-up and
 # capture): the same bits as pointer loads, faster under graphs at 32-4096 rows on an H100.
 
@@ -131,6 +136,34 @@ if HAVE_TRITON:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _persistent_fp8_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xsm, stride_wsn,
+                                    stride_om, PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+                                    WS: tl.constexpr):
+        # TMA tiles: a program per SM walks `_fp8_gemm_kernel`'s tiles in its order, each summing the same K-blocks
+        # in the same order (kernels/tma.py, FLUXLAB_PERSISTENT)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < M
+            col_ok = cols < N
+            xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
+            ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, BLOCK_K)):
+                a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+                a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
+                b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]) per token and 128-wide group, the
     numbers of `fluxlab.engine.layers.fp8.quantize_token_groups` (one launch, sync-free)."""
@@ -147,12 +180,21 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def tile_for(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for an [m, k] @ [n, k].T product: by row count and weight shape, never a
+    choice that changes a bit (module doc)."""
+    if m >= WIDE_ROWS:
+        return BLOCK_M, WIDE_N, WARPS, WIDE_STAGES
+    return NARROW_TILES.get((n, k), (BLOCK_M, BLOCK_N, WARPS, STAGES))
+
+
 def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.Tensor,
                out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
-    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma]) instead of the module's
-    tile choice and `tma.graph_tiles()` (benchmarks only: a config whose bits differ would give up batch invariance)."""
+    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma[, persistent]]) instead of the
+    module's tile choice, `tma.graph_tiles()` and `tma.persistent` (benchmarks only: a config whose bits differ would
+    give up batch invariance; persistent: a `tma.PERSISTENT_VARIANTS` value)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
     if isinstance(x, tuple):
@@ -162,10 +204,9 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         out_dtype = out_dtype or x.dtype
         xq, xs = quantize_act(x)
     m, k = xq.shape
-    block_n, stages = (WIDE_N, WIDE_STAGES) if m >= WIDE_ROWS else (BLOCK_N, STAGES)
-    default = (BLOCK_M, block_n, WARPS, stages, tma_tiles.wanted("fp8_gemm"))
-    block_m, block_n, warps, stages, tma = (*tiles, 0)[:5] if tiles else default
     n, k_w = weight.shape
+    block_m, block_n, warps, stages, tma, persistent = (*tiles, 0, None)[:6] if tiles else (
+        *tile_for(m, n, k), tma_tiles.wanted("fp8_gemm"), tma_tiles.persistent("fp8_gemm"))
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -178,7 +219,16 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
 
         x_desc = TensorDescriptor.from_tensor(xq, [block_m, GROUP])
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, GROUP])
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if tma and persistent:
+        flatten, ws, per_sm = persistent
+        grid = tma_tiles.programs(xq.device, per_sm, tiles_mn)
+        _persistent_fp8_gemm_kernel[(grid,)](x_desc, w_desc, xs, scale_inv, out, m, n, k, xs.stride(0),
+                                             scale_inv.stride(0), out.stride(0), PROGRAMS=grid, BLOCK_M=block_m,
+                                             BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=GROUP_M, FLATTEN=flatten,
+                                             WS=ws, num_warps=warps, num_stages=stages)
+        return out
+    grid = (tiles_mn,)
     _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                            weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
                            BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma,

@@ -100,6 +100,29 @@ if HAVE_TRITON:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
+    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, PROGRAMS,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  GROUP_M: tl.constexpr, W_KN: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr):
+        # TMA tiles, one K-slice: a program per SM walks the tiles of `_matmul_kernel`'s grid in its order, each
+        # summing the same chunks in the same order (tma.py, FLUXLAB_PERSISTENT)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                a = x_desc.load([pid_m * BLOCK_M, k])
+                if W_KN:
+                    b = w_desc.load([k, pid_n * BLOCK_N])
+                else:
+                    b = w_desc.load([pid_n * BLOCK_N, k]).T
+                acc = tl.dot(a, b, acc)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit
     def _sum_slices_kernel(parts_ptr, out_ptr, numel, SLICES: tl.constexpr, BLOCK: tl.constexpr):
         # slice 0, then + slice 1, + slice 2, ... in fp32, rounded once to the output dtype
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -130,13 +153,15 @@ def tile_for(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x.dtype, fp32 accumulation, batch-invariant (module doc). tiles:
-    (BLOCK_M, BLOCK_N, warps, stages, tma) instead of `tile_for` and `tma.graph_tiles()` (benchmarks only)."""
+    (BLOCK_M, BLOCK_N, warps, stages, tma[, persistent]) instead of `tile_for`, `tma.graph_tiles()` and
+    `tma.persistent` (benchmarks only; persistent: a `tma.PERSISTENT_VARIANTS` value)."""
     if not HAVE_TRITON:
         raise RuntimeError("invariant matmul needs triton")
     M, K = x.shape
     N, K_w = w.shape
     assert K == K_w, (x.shape, w.shape)
-    block_m, block_n, warps, stages, tma = tiles or (*tile_for(M, N, K), tma_tiles.wanted("matmul"))
+    block_m, block_n, warps, stages, tma, persistent = (*tiles, None)[:6] if tiles else (
+        *tile_for(M, N, K), tma_tiles.wanted("matmul"), tma_tiles.persistent("matmul"))
     w_kn = w.stride(0) == 1 and w.stride(1) != 1  # a [K, N] weight seen through .t()
     x_desc = w_desc = None
     if tma and M and tma_tiles.fits(x, w.t() if w_kn else w):
@@ -150,6 +175,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
     k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
     splits = -(-K // k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if persistent and x_desc is not None and splits == 1:
+        flatten, ws, per_sm = persistent
+        grid = tma_tiles.programs(x.device, per_sm, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
+        _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, out.stride(0), PROGRAMS=grid, BLOCK_M=block_m,
+                                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, W_KN=w_kn,
+                                           FLATTEN=flatten, WS=ws, num_warps=warps, num_stages=stages)
+        return out
     parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
     _matmul_kernel[grid](x, w, x_desc, w_desc, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0),
