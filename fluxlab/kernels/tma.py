@@ -63,7 +63,7 @@ def wanted(kernel: str) -> bool:
     return _scopes > 0 and kernel in KERNELS
 
 
-def persistent(kernel: str):
+def persistent(kernel: str) -> tuple[bool, bool, int] | None:
     """(flatten, warp_specialize, programs per SM) where FLUXLAB_PERSISTENT names `kernel`, else None."""
     return PERSISTENT.get(kernel)
 
