@@ -38,12 +38,17 @@ def test_fluxlab_tma_names_the_kernels():
         assert out == want, (value, out)
 
 
-def test_fluxlab_persistent_names_kernel_and_variant_or_is_refused():
+def test_fluxlab_persistent_names_kernels_from_1024_rows_and_a_typo_is_refused(monkeypatch):
     from fluxlab.kernels import tma
 
-    assert tma._persistent_from_env("") == {}
-    assert tma._persistent_from_env("matmul=ws,fp8_gemm=flat2") == {"matmul": (True, True, 1),
-                                                                      "fp8_gemm": (True, False, 2)}
-    for bad in ("matmul", "matmul=fast", "moe=flat"):
-        with pytest.raises(ValueError, match="FLUXLAB_PERSISTENT"):
-            tma._persistent_from_env(bad)
+    if "FLUXLAB_PERSISTENT" not in os.environ:
+        assert tma.PERSISTENT_KERNELS == {"fp8_gemm", "matmul"}  # the default: both GEMM kernels
+    monkeypatch.setattr(tma, "PERSISTENT_KERNELS", frozenset({"matmul"}))
+    assert [tma.persistent("matmul", rows) for rows in (1, 1023, 1024, 4096)] == [False, False, True, True]
+    assert not tma.persistent("fp8_gemm", 4096)
+    for name in ("FLUXLAB_PERSISTENT", "FLUXLAB_TMA"):
+        monkeypatch.setenv(name, "matmul,fp8")
+        with pytest.raises(ValueError, match=f"{name}='matmul,fp8': names \\['fp8'\\]"):
+            tma._kernels_from_env(name)
+        monkeypatch.setenv(name, "")
+        assert tma._kernels_from_env(name) == frozenset()

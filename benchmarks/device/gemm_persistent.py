@@ -1,16 +1,14 @@
-"""Persistent and warp-specialized TMA GEMMs against the shipped TMA kernels, under CUDA graphs (GPU).
+"""Persistent TMA GEMMs against per-tile TMA GEMMs, under CUDA graphs (GPU).
 
-The shipped TMA kernels (kernels/invariant_matmul.py, kernels/fp8_gemm.py) launch a program per output tile; each
-program fills its pipeline, walks K, runs its epilogue and exits. Their persistent variants (kernels/tma.py,
-FLUXLAB_PERSISTENT) launch a program per SM that walks the tiles in turn (`flat`: `tl.range(..., flatten=True)` lets
-the compiler pipeline the next tile's loads under this tile's epilogue; `ws`: `warp_specialize=True` splits loads
-and MMAs into their own warps, Triton's automatic warp specialization, on Hopper since 2025-07). Neither changes
-what a tile sums or in which order: every output element is still its K-chunks in order into one fp32 accumulator,
-so each variant must give the shipped kernel's bits (the bits column; a variant that differs is never a candidate). Shapes: the per-step GEMMs of Diffusion-Gemma 26B-A4B
-(bf16 and model.quantization=fp8) at 256 / 4096 rows and LLaDA2.0-mini's FP8 ones at 32 / 2048 rows, as in
-gemm_tma.py, whose timing this uses (graph replays over weight copies past L2). The self-conditioning product
-(K-slices) is left out. Prints each model's GEMMs a step per variant, then per shape the fastest variant.
-Usage: python3 benchmarks/device/gemm_persistent.py [out.json]   (KINDS=fp8,bf16; PVARIANTS=plain,flat,... default all)
+The per-tile TMA kernels (kernels/invariant_matmul.py, kernels/fp8_gemm.py) launch a program per output tile; their
+persistent launches (kernels/tma.py: from tma.PERSISTENT_ROWS rows, FLUXLAB_PERSISTENT) launch tma.PROGRAMS_PER_SM
+programs an SM that walk the same tiles in turn. Neither changes what a tile sums or in which order, so the
+persistent launch must give the per-tile kernel's bits (the bits column). Both are timed here at every row count,
+whatever the shipped rule picks, at the per-step GEMMs of Diffusion-Gemma 26B-A4B (bf16 and model.quantization=fp8)
+at 256 / 4096 rows and LLaDA2.0-mini's FP8 ones at 32 / 2048 rows, as in gemm_tma.py, whose timing this uses (graph
+replays over weight copies past L2). The self-conditioning product (K-slices: never persistent) is left out.
+Prints each model's GEMMs a step both ways, then per shape the faster.
+Usage: python3 benchmarks/device/gemm_persistent.py [out.json]   (KINDS=fp8,bf16)
 """
 import json
 import os
@@ -19,22 +17,21 @@ import sys
 import torch
 
 from fluxlab.bench.moe_tune import graph_ms
-from fluxlab.kernels.tma import PERSISTENT_VARIANTS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gemm_tma import DEVICE, MODELS, call, shipped, weight  # noqa: E402
 
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     kinds = os.environ.get("KINDS", "fp8,bf16").split(",")
-    variants = os.environ.get("PVARIANTS", ",".join(PERSISTENT_VARIANTS)).split(",")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     results, best = {}, {}
     for (kind, model), spec in MODELS.items():
         if kind not in kinds:
             continue
         for rows in spec["rows"]:
-            names = ["tma", *("persistent " + v for v in variants)]
+            names = ["tma", "persistent"]
             totals, same = dict.fromkeys(names, 0.0), dict.fromkeys(names, True)
             for (n, k, *layout), count in spec["gemms"].items():
                 if layout:  # the self-conditioning product: K-slices, not this kernel's shape
@@ -47,8 +44,7 @@ def main():
                 for name in names:
                     if totals[name] is None:
                         continue
-                    persistent = PERSISTENT_VARIANTS.get(name.removeprefix("persistent "))
-                    calls = [lambda w=w, p=persistent: call(kind, x, w, (*tiles, 1, p)) for w in copies]
+                    calls = [lambda w=w, p=name == "persistent": call(kind, x, w, (*tiles, 1, p)) for w in copies]
                     try:
                         ms = graph_ms(lambda calls=calls: [c() for c in calls]) / len(calls)
                         bits = torch.equal(calls[0](), eager)

@@ -14,7 +14,8 @@ qkv product at 32 tokens took 0.11 ms against cuBLAS bf16's 0.006 (docs/benchmar
 cutting K into segments fixed by the weight's shape (split-K with the same bits at every batch: segments
 as programs plus a summing kernel when tiles are few, walked by one program otherwise): slower at 32,
 256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md). Taking two K-blocks an iteration (both dots
-before either add, the same bits) was slower at 256-4096 rows under graphs. What did pay is TMA tiles (TMA below).
+before either add, the same bits) was slower at 256-4096 rows under graphs. What did pay is TMA tiles (TMA below),
+and from 1024 rows their persistent launch (`tma.persistent`: two programs an SM walking the same tiles).
 
 Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N and the pipeline stages by row count
 and weight shape, `tile_for`, which leaves the bits unchanged), the reduction of every output element is the
@@ -139,13 +140,12 @@ if HAVE_TRITON:
     @triton.jit
     def _persistent_fp8_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xsm, stride_wsn,
                                     stride_om, PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-                                    WS: tl.constexpr):
-        # TMA tiles: a program per SM walks `_fp8_gemm_kernel`'s tiles in its order, each summing the same K-blocks
-        # in the same order (kernels/tma.py, FLUXLAB_PERSISTENT)
+                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # TMA tiles: PROGRAMS programs walk `_fp8_gemm_kernel`'s tiles in its order, each summing the same K-blocks
+        # in the same order (kernels/tma.py)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
             pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,7 +194,7 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
     out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma[, persistent]]) instead of the
     module's tile choice, `tma.graph_tiles()` and `tma.persistent` (benchmarks only: a config whose bits differ would
-    give up batch invariance; persistent: a `tma.PERSISTENT_VARIANTS` value)."""
+    give up batch invariance)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
     if isinstance(x, tuple):
@@ -205,8 +205,8 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         xq, xs = quantize_act(x)
     m, k = xq.shape
     n, k_w = weight.shape
-    block_m, block_n, warps, stages, tma, persistent = (*tiles, 0, None)[:6] if tiles else (
-        *tile_for(m, n, k), tma_tiles.wanted("fp8_gemm"), tma_tiles.persistent("fp8_gemm"))
+    block_m, block_n, warps, stages, tma, persistent = (*tiles, 0, False)[:6] if tiles else (
+        *tile_for(m, n, k), tma_tiles.wanted("fp8_gemm"), tma_tiles.persistent("fp8_gemm", m))
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -221,12 +221,11 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, GROUP])
     tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if tma and persistent:
-        flatten, ws, per_sm = persistent
-        grid = tma_tiles.programs(xq.device, per_sm, tiles_mn)
+        grid = tma_tiles.programs(xq.device, tiles_mn)
         _persistent_fp8_gemm_kernel[(grid,)](x_desc, w_desc, xs, scale_inv, out, m, n, k, xs.stride(0),
                                              scale_inv.stride(0), out.stride(0), PROGRAMS=grid, BLOCK_M=block_m,
-                                             BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=GROUP_M, FLATTEN=flatten,
-                                             WS=ws, num_warps=warps, num_stages=stages)
+                                             BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=GROUP_M, num_warps=warps,
+                                             num_stages=stages)
         return out
     grid = (tiles_mn,)
     _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),

@@ -25,7 +25,8 @@ docs/benchmarks.md.)
 Inside `tma.graph_tiles()` (a CUDA graph's warm-up and capture, kernels/tma.py), where FLUXLAB_TMA names "matmul"
 (the default), the x and w tiles come through TMA descriptors on sm90+: the same chunks in the same
 order, so the same bits. A slice's chunks never straddle its end (k_per_split is whole chunks), so the descriptors'
-zero fill past K, M and N stands in for every mask.
+zero fill past K, M and N stands in for every mask. From 1024 rows a one-slice product with fewer than
+PERSISTENT_MAX_N columns launches them persistently (`tma.persistent`: two programs an SM walking the same tiles).
 
 `matmul(x [M, K], w [N, K])` = x @ w.T (F.linear's layout); `w` may be any strided view (the
 self-conditioning input multiplies by the embedding [V, H] itself: pass `embedding.t()`).
@@ -56,6 +57,9 @@ SMALL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (128, 2816): (64, 32, 4, 4), (2816, 262144): SELF_CONDITIONING_TILE}
 LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (128, 2816): (64, 64, 4, 4), (2816, 262144): SELF_CONDITIONING_TILE}
+# Persistent launches (kernels/tma.py) only below this many columns: the head (262144) at 4096 rows took 11.0 ms a
+# call per tile and 11.2-14.0 persistent (one H100, 2026-12-07).
+PERSISTENT_MAX_N = 65536
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
 
 if HAVE_TRITON:
@@ -100,14 +104,14 @@ if HAVE_TRITON:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, PROGRAMS,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr, W_KN: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr):
-        # TMA tiles, one K-slice: a program per SM walks the tiles of `_matmul_kernel`'s grid in its order, each
-        # summing the same chunks in the same order (tma.py, FLUXLAB_PERSISTENT)
+    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, PROGRAMS, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  W_KN: tl.constexpr):
+        # TMA tiles, one K-slice: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each
+        # summing the same chunks in the same order (kernels/tma.py)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
             pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
@@ -154,14 +158,14 @@ def tile_for(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x.dtype, fp32 accumulation, batch-invariant (module doc). tiles:
     (BLOCK_M, BLOCK_N, warps, stages, tma[, persistent]) instead of `tile_for`, `tma.graph_tiles()` and
-    `tma.persistent` (benchmarks only; persistent: a `tma.PERSISTENT_VARIANTS` value)."""
+    `tma.persistent` (benchmarks only)."""
     if not HAVE_TRITON:
         raise RuntimeError("invariant matmul needs triton")
     M, K = x.shape
     N, K_w = w.shape
     assert K == K_w, (x.shape, w.shape)
-    block_m, block_n, warps, stages, tma, persistent = (*tiles, None)[:6] if tiles else (
-        *tile_for(M, N, K), tma_tiles.wanted("matmul"), tma_tiles.persistent("matmul"))
+    block_m, block_n, warps, stages, tma, persistent = (*tiles, False)[:6] if tiles else (
+        *tile_for(M, N, K), tma_tiles.wanted("matmul"), tma_tiles.persistent("matmul", M) and N < PERSISTENT_MAX_N)
     w_kn = w.stride(0) == 1 and w.stride(1) != 1  # a [K, N] weight seen through .t()
     x_desc = w_desc = None
     if tma and M and tma_tiles.fits(x, w.t() if w_kn else w):
@@ -176,11 +180,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
     splits = -(-K // k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if persistent and x_desc is not None and splits == 1:
-        flatten, ws, per_sm = persistent
-        grid = tma_tiles.programs(x.device, per_sm, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
+        grid = tma_tiles.programs(x.device, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
         _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, out.stride(0), PROGRAMS=grid, BLOCK_M=block_m,
                                            BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, W_KN=w_kn,
-                                           FLATTEN=flatten, WS=ws, num_warps=warps, num_stages=stages)
+                                           num_warps=warps, num_stages=stages)
         return out
     parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)

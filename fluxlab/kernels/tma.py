@@ -11,10 +11,16 @@ FLUXLAB_TMA names the kernels that may take them, by default both: "fp8_gemm" (k
 (kernels/invariant_matmul.py; on an H200 on 2026-12-07 it kept the bits and took Diffusion-Gemma's bf16 denoising step
 at batch 16 from ~98 to ~95 ms, docs/benchmarks.md); "" none (device A/B runs).
 
-FLUXLAB_PERSISTENT="matmul=ws,fp8_gemm=flat" (device A/B runs; default none) makes a kernel's TMA tiles run as a
-persistent kernel: a program per SM walking output tiles in turn, `flat` letting the compiler pipeline the next tile's
-loads under this tile's epilogue, `ws` splitting loads and MMAs into their own warps (Triton's warp specialization).
-Each tile sums the same K-chunks in the same order: the same bits (benchmarks/device/gemm_persistent.py checks).
+From PERSISTENT_ROWS rows, kernels named in FLUXLAB_PERSISTENT (by default both; "" none, device A/B runs) launch their
+TMA tiles persistently: PROGRAMS_PER_SM programs an SM, each walking output tiles of the per-tile grid in turn. A tile
+still sums the same K-chunks in the same order, so the same bits (GPU tests at 2048 rows; the interpreter's at every
+row count). One H100, 2026-12-07 (benchmarks/device/gemm_persistent.py, graph replays; docs/benchmarks.md): at 4096
+rows Diffusion-Gemma's bf16 layer matmuls 22.8 -> 20.7 and 23.7 -> 21.7 ms a step, its FP8 GEMMs 21.7 -> 21.2, at
+2048 rows LLaDA2.0-mini's FP8 GEMMs 1.66 -> 1.55; below 1024 rows it lost (FP8 at 32 rows 0.418 -> 0.433). One
+program an SM lost everywhere (by 20-45%): two keep one tile's loads in flight under the other's MMAs, which the
+per-tile grid gets from co-resident programs. Flattening the tile loop (`tl.range(..., flatten=True)`) lost at 256
+rows and on the bf16 matmul (38.9 against 33.3 ms at 4096 rows), and warp specialization (`warp_specialize=True`)
+timed as flattening alone on that H100: neither is used.
 """
 from __future__ import annotations
 
@@ -24,25 +30,23 @@ import os
 
 import torch
 
-KERNELS = frozenset(k for k in os.environ.get("FLUXLAB_TMA", "fp8_gemm,matmul").split(",") if k)
+GEMM_KERNELS = ("fp8_gemm", "matmul")
+
+
+def _kernels_from_env(name: str) -> frozenset[str]:
+    """The kernels an env var names, comma-separated, by default all of GEMM_KERNELS; a name not among them is
+    refused (a typo would otherwise turn the path off silently)."""
+    kernels = frozenset(k for k in os.environ.get(name, ",".join(GEMM_KERNELS)).split(",") if k)
+    if kernels - set(GEMM_KERNELS):
+        raise ValueError(f"{name}={os.environ[name]!r}: names {sorted(kernels - set(GEMM_KERNELS))}; "
+                         f"the kernels are {', '.join(GEMM_KERNELS)} (comma-separated, '' for none)")
+    return kernels
+
+
+KERNELS = _kernels_from_env("FLUXLAB_TMA")
 _scopes = 0  # how many `graph_tiles()` are open
-# variant -> (flatten the tile loop, warp-specialize it, programs per SM)
-PERSISTENT_VARIANTS = {"plain": (False, False, 1), "flat": (True, False, 1), "ws": (True, True, 1),
-                       "ws_noflat": (False, True, 1), "flat2": (True, False, 2)}
-
-
-def _persistent_from_env(value: str) -> dict[str, tuple[bool, bool, int]]:
-    chosen = {}
-    for item in filter(None, value.split(",")):
-        kernel, _, variant = item.partition("=")
-        if kernel not in ("matmul", "fp8_gemm") or variant not in PERSISTENT_VARIANTS:
-            raise ValueError(f"FLUXLAB_PERSISTENT: {item!r}; KERNEL=VARIANT with KERNEL matmul or fp8_gemm and "
-                             f"VARIANT one of {sorted(PERSISTENT_VARIANTS)}")
-        chosen[kernel] = PERSISTENT_VARIANTS[variant]
-    return chosen
-
-
-PERSISTENT = _persistent_from_env(os.environ.get("FLUXLAB_PERSISTENT", ""))
+PERSISTENT_KERNELS = _kernels_from_env("FLUXLAB_PERSISTENT")
+PERSISTENT_ROWS, PROGRAMS_PER_SM = 1024, 2
 
 
 @contextlib.contextmanager
@@ -63,14 +67,15 @@ def wanted(kernel: str) -> bool:
     return _scopes > 0 and kernel in KERNELS
 
 
-def persistent(kernel: str) -> tuple[bool, bool, int] | None:
-    """(flatten, warp_specialize, programs per SM) where FLUXLAB_PERSISTENT names `kernel`, else None."""
-    return PERSISTENT.get(kernel)
+def persistent(kernel: str, rows: int) -> bool:
+    """Whether a `rows`-row product of `kernel` that takes TMA tiles launches them persistently (module doc)."""
+    return rows >= PERSISTENT_ROWS and kernel in PERSISTENT_KERNELS
 
 
-def programs(device: torch.device, per_sm: int, tiles: int) -> int:
-    """A persistent kernel's grid: `per_sm` programs per SM, no more than there are tiles."""
-    return min(tiles, per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+def programs(device: torch.device, tiles: int) -> int:
+    """A persistent launch's grid: PROGRAMS_PER_SM programs an SM, no more than there are tiles."""
+    return min(tiles, PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
+                                                  else torch.cuda.current_device()))
 
 
 @functools.cache
