@@ -136,7 +136,6 @@ if HAVE_TRITON:
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-
     @triton.jit
     def _persistent_fp8_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xsm, stride_wsn,
                                     stride_om, PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
