@@ -53,7 +53,7 @@ def _moe_token(x, W, i, c: LLaDA2MoeConfig):
 
 def dense_logits(W, c: LLaDA2MoeConfig, ids, block_length):
     """Straightforward fp32 LLaDA2-MoE from official tensor names: per token, explicit mask."""
-    T, H, D = len(ids), c.hidden_size, c.head_dim
+    T, D = len(ids), c.head_dim
     nq, nkv = c.num_attention_heads, c.num_key_value_heads
     h = [W["model.word_embeddings.weight"][t].clone() for t in ids]
     dtype = h[0].dtype

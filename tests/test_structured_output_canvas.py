@@ -7,7 +7,6 @@ import functools
 import json
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 
