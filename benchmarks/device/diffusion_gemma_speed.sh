@@ -19,7 +19,8 @@ t() { echo "[t+${SECONDS}s] $*"; }
 nvidia-smi -L 2>&1 | head -1
 STEPS=${STEPS:-ABCD}
 BASE=${BASE:-.base}
-BENCH="--graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats ${REPEATS:-5} --quantization ${QUANT:-none}"
+BENCH="--graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512
+  --repeats ${REPEATS:-5} --quantization ${QUANT:-none}"
 
 if [[ $STEPS == *A* ]]; then
   t "A: gpu tests"

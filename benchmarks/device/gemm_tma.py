@@ -8,7 +8,9 @@ column. Each is timed as replays of one CUDA graph over copies of the weight tha
 (`fluxlab.bench.moe_tune.graph_ms`: no host time), at the models' shapes: the FP8 GEMMs of Diffusion-Gemma 26B-A4B
 (model.quantization=fp8) at 256 / 4096 rows (1 / 16 canvases) and of LLaDA2.0-mini at 32 / 2048 (decode batch 1 /
 64); Diffusion-Gemma's bf16 matmuls (the layers, the head, the self-conditioning product over the embedding seen as
-[K, N]) at 256 / 4096 rows. Prints the per-step sum of each model's GEMMs.
+[K, N]) at 256 / 4096 rows. Prints the per-step sum of each model's GEMMs. "tma" is the per-tile launch at every row
+count, "persistent" the persistent one (kernels/tma.py, shipped from 1024 rows; `tiles=(..., 1, True)`), also at
+every row count; the self-conditioning product's K-slices never launch persistently, so there both are per tile.
 With --sweep it also times each TMA tile config (BLOCK_M, BLOCK_N, warps, stages) at each row count and prints each
 shape's fastest config with the bits: the row-count tile choice re-checked under graph replay (the earlier sweeps,
 diffusion_gemma_matmul_tiles.py, timed eagerly, which is host-bound at small rows). A config whose bits differ from
@@ -73,9 +75,9 @@ def main():
     for (kind, model), spec in MODELS.items():
         if kind not in kinds:
             continue
-        variants = {"pointers": (None, 0), "tma": (None, 1)}
+        variants = {"pointers": (None, 0, False), "tma": (None, 1, False), "persistent": (None, 1, True)}
         if "--sweep" in sys.argv:
-            variants.update({"tma %dx%d w%d s%d" % cfg: (cfg, 1) for cfg in SWEEP[kind]})
+            variants.update({"tma %dx%d w%d s%d" % cfg: (cfg, 1, False) for cfg in SWEEP[kind]})
         for rows in spec["rows"]:
             totals, same = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, True)
             for (n, k, *layout), count in spec["gemms"].items():
@@ -84,10 +86,10 @@ def main():
                 x = torch.randn(rows, k, generator=gen, device=DEVICE).to(torch.bfloat16)
                 eager = call(kind, x, copies[0])  # the default outside graph_tiles(): pointer loads
                 shape = f"{kind} {model} {n}x{k}{'T' if layout else ''} @{rows}"
-                for name, (cfg, tma) in variants.items():
+                for name, (cfg, tma, persistent) in variants.items():
                     if totals[name] is None:
                         continue
-                    tiles = (*(cfg or shipped(kind, rows, n, k)), tma)
+                    tiles = (*(cfg or shipped(kind, rows, n, k)), tma, persistent)
                     calls = [lambda w=w, tiles=tiles: call(kind, x, w, tiles) for w in copies]
                     try:
                         ms = graph_ms(lambda calls=calls: [c() for c in calls]) / len(calls)

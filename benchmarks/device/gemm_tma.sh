@@ -1,7 +1,8 @@
 # TMA tiles for the GEMM kernels under CUDA graphs (fluxlab/kernels/tma.py): the FP8 GEMM and the bf16 invariant
 # matmul. TESTS=1 runs their GPU tests. KERNELS=1 runs benchmarks/device/gemm_tma.py (bits and graph-replay times
-# against pointer loads; SWEEP=1 adds its tile sweep, KINDS=fp8|bf16 picks the kernels). Then, for each run (`pointers`:
-# FLUXLAB_TMA=""; `default`; `all`: both kernels): LLaDA2.0-mini's fp8 decode forward at b1/b64 for each of LLADA_RUNS, and
+# against pointer loads and persistent launches; SWEEP=1 adds its tile sweep, KINDS=fp8|bf16 picks the kernels). Then,
+# for each run (`pointers`: FLUXLAB_TMA=""; `per_tile`: FLUXLAB_PERSISTENT=""; `default`; `all`: both kernels' TMA
+# tiles): LLaDA2.0-mini's fp8 decode forward at b1/b64 for each of LLADA_RUNS, and
 # Diffusion-Gemma's denoising step at DG_BATCHES (default 1,16) with a served c1 stream for each of DG_RUNS, with
 # DG_QUANT weights (none (bf16, the default) or fp8).
 if [ "${TESTS:-0}" = 1 ]; then
@@ -12,9 +13,10 @@ if [ "${KERNELS:-0}" = 1 ]; then
   timeout ${KTIMEOUT:-150} python3 benchmarks/device/gemm_tma.py $OUT/gemm_tma.json ${SWEEP:+--sweep} 2>&1 \
     | grep -vi warn | tee $OUT/gemm_tma.txt | tail -${KTAIL:-12}
 fi
-with() {  # with RUN CMD...: pointers (no TMA), default (FLUXLAB_TMA unset) or all (both kernels)
+with() {  # with RUN CMD...: pointers (no TMA), per_tile (TMA, no persistent launch), default or all (both kernels)
   local v=$1; shift
-  case $v in pointers) FLUXLAB_TMA="" "$@";; all) FLUXLAB_TMA=fp8_gemm,matmul "$@";; *) "$@";; esac
+  case $v in pointers) FLUXLAB_TMA="" "$@";; per_tile) FLUXLAB_PERSISTENT="" "$@";;
+    all) FLUXLAB_TMA=fp8_gemm,matmul "$@";; *) "$@";; esac
 }
 i=0
 for v in ${LLADA_RUNS-pointers default pointers default}; do  # LLADA_RUNS="" skips

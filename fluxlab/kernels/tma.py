@@ -14,7 +14,7 @@ at batch 16 from ~98 to ~95 ms, docs/benchmarks.md); "" none (device A/B runs).
 From PERSISTENT_ROWS rows, kernels named in FLUXLAB_PERSISTENT (by default both; "" none, device A/B runs) launch their
 TMA tiles persistently: PROGRAMS_PER_SM programs an SM, each walking output tiles of the per-tile grid in turn. A tile
 still sums the same K-chunks in the same order, so the same bits (GPU tests at 2048 rows; the interpreter's at every
-row count). One H100, 2026-12-07 (benchmarks/device/gemm_persistent.py, graph replays; docs/benchmarks.md): at 4096
+row count). One H100, 2026-12-07 (benchmarks/device/gemm_tma.py, graph replays; docs/benchmarks.md): at 4096
 rows Diffusion-Gemma's bf16 layer matmuls 22.8 -> 20.7 and 23.7 -> 21.7 ms a step, its FP8 GEMMs 21.7 -> 21.2, at
 2048 rows LLaDA2.0-mini's FP8 GEMMs 1.66 -> 1.55; below 1024 rows it lost (FP8 at 32 rows 0.418 -> 0.433). One
 program an SM lost everywhere (by 20-45%): two keep one tile's loads in flight under the other's MMAs, which the
