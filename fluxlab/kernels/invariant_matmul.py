@@ -13,9 +13,9 @@ leaves most SMs idle). No tile of the H200 sweeps (2026-12-03/04, up to 11 confi
 rows among 2048 and 16384 (default tiles). Every tile has 64+ rows, the range the sweeps checked: on
 sm90 a 16- or 32-row tile takes another MMA instruction (not warpgroup MMA), and the canvas
 attention's sweep of 2026-12-04 saw 32-row query tiles change bits against 64-row ones (cause not
-isolated: that instruction, or its row sums' reduction layout). Products with a long reduction (and a few narrow
-weights, by their shape) are cut into a number of K-slices fixed by the weight (`splits_for`), whose fp32 partials
-`_sum_slices_kernel` adds in slice order, elementwise: never a number that depends on the rows.
+isolated: that instruction, or its row sums' reduction layout). Products with a long reduction are
+cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials `_sum_slices_kernel` adds
+in slice order, elementwise: never a number that depends on the rows.
 
 (Slicing narrow weights by shape, with a canvas's slices in programs of their own and a large batch's
 walked by one program -- the same sums -- was measured on an H200 on 2026-12-04: -0.9 ms a step at
@@ -61,11 +61,6 @@ LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
 # call per tile and 11.2-14.0 persistent (one H100, 2026-12-07).
 PERSISTENT_MAX_N = 65536
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
-# K-slices by weight shape (N, K), the same at every row count (batch invariance). Empty until measured: the candidate
-# is the router's 128 columns, which at one canvas are 16 programs each walking 44 K-chunks in sequence (12.7 us a
-# call, 30 a step, on an H200 on 2026-12-07: latency, not its 0.7 MB); `python3 benchmarks/device/dg_kernel_probe.py
-# router` times it in 4 slices of 11 chunks against none, at 256 and 4096 rows.
-SHAPE_SLICES: dict[tuple[int, int], int] = {}
 
 if HAVE_TRITON:
     @triton.jit
@@ -149,10 +144,8 @@ def use_kernel(x: torch.Tensor) -> bool:
     return HAVE_TRITON and ((x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)) or _interpret())
 
 
-def splits_for(n: int, k: int) -> int:
-    """K-slices of an [*, k] x [k, n] product: a function of the weight's shape alone (batch invariance)."""
-    if (n, k) in SHAPE_SLICES:
-        return SHAPE_SLICES[(n, k)]
+def splits_for(k: int) -> int:
+    """K-slices of a reduction of length k: a function of k alone (batch invariance)."""
     return max(1, -(-k // SLICE_K)) if k > 2 * SLICE_K else 1
 
 
@@ -181,7 +174,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
         x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
         w_desc = (TensorDescriptor.from_tensor(w.t(), [BLOCK_K, block_n]) if w_kn
                   else TensorDescriptor.from_tensor(w, [block_n, BLOCK_K]))
-    splits = splits_for(N, K)
+    splits = splits_for(K)
     k_per_split = -(-K // splits)
     k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
     splits = -(-K // k_per_split)
