@@ -40,16 +40,12 @@ SPLITS = 4
 
 if HAVE_TRITON:
     @triton.jit
-    def _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, inv_temperature, HAS_CAP: tl.constexpr):
-        # times 1 / T (one reciprocal a program), not `/ T`: each `/` is a div.full.f32 an element, a reciprocal on the
-        # special-function unit, which exp and the soft-cap's division already keep busy (sm90 PTX, triton 3.9: the
-        # max pass 2 -> 1 divisions an element beside its 2 exponentials, the probs pass 3 -> 2). Not timed yet. At
-        # T = 1 the same bits; otherwise within an ulp of `/ T`.
+    def _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, temperature, HAS_CAP: tl.constexpr):
         x = tl.load(raw_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_CAP:
             y = x * inv_cap
             x = cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))  # cap * tanh(x / cap)
-        return x * inv_temperature
+        return x / temperature
 
     @triton.jit
     def _max_kernel(raw_ptr, stride, vocab, chunk, temp_ptr, cap, inv_cap, max_ptr, sum_ptr, idx_ptr, num_splits,
@@ -58,13 +54,13 @@ if HAVE_TRITON:
         split = tl.program_id(1)
         start = split * chunk
         end = tl.minimum(start + chunk, vocab)
-        inv_temperature = 1.0 / tl.load(temp_ptr + row)
+        temperature = tl.load(temp_ptr + row)
         offs = tl.arange(0, BLOCK)
         lane_max, lane_sum, lane_idx = lanes_start(BLOCK)
         for base in range(start, end, BLOCK):
             cols = base + offs
             mask = cols < end
-            x = _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, inv_temperature, HAS_CAP)
+            x = _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, temperature, HAS_CAP)
             x = tl.where(mask, x, -float("inf"))
             lane_max, lane_sum, lane_idx = lane_update(lane_max, lane_sum, lane_idx, x, cols)
         run_max, run_sum, run_idx = lane_finish(lane_max, lane_sum, lane_idx)
@@ -80,7 +76,7 @@ if HAVE_TRITON:
         split = tl.program_id(1)
         start = split * chunk
         end = tl.minimum(start + chunk, vocab)
-        inv_temperature = 1.0 / tl.load(temp_ptr + row)
+        temperature = tl.load(temp_ptr + row)
         lse = tl.load(lse_ptr + row)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -89,7 +85,7 @@ if HAVE_TRITON:
         for base in range(start, end, BLOCK):
             cols = base + offs
             mask = cols < end
-            x = _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, inv_temperature, HAS_CAP)
+            x = _processed(raw_ptr, row, stride, cols, mask, cap, inv_cap, temperature, HAS_CAP)
             p = tl.exp(x - lse)
             tl.store(probs_ptr + row * vocab + cols, p.to(probs_ptr.dtype.element_ty), mask=mask)
             acc += tl.where(mask, p * (lse - x), 0.0)
