@@ -272,6 +272,50 @@ def test_tiles_the_device_refuses_step_down_once_and_the_fitted_config_is_kept(m
         call(torch.float32)
 
 
+def test_many_query_tiles_take_the_tall_tile_in_half_precision_and_fall_back_to_the_table(monkeypatch):
+    """TALL_TILES (the same key blocks, 128 queries) from TALL_FROM_PROGRAMS programs of the table's tile, bf16 only;
+    where the device refuses it, the table's tile (never a smaller key block: other bits), and it is not tried again."""
+    from triton.runtime.errors import OutOfResources
+
+    import fluxlab.kernels.canvas_attention as ca
+
+    launched, refuse_tall = [], [False]
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **kwargs):
+                launched.append((BLOCK_M, BLOCK_N, num_warps, num_stages, grid[0]))
+                if refuse_tall[0] and BLOCK_M == 128:
+                    raise OutOfResources(300000, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(ca, "_canvas_attention_kernel", FakeKernel())
+    monkeypatch.setattr(ca, "_FITTED", {})
+    monkeypatch.setattr(ca, "_NO_TALL", set())
+    monkeypatch.delenv("FLUXLAB_CANVAS_ATTENTION_CONFIG", raising=False)
+
+    def call(dtype, rows, queries=256, heads=16):
+        q = torch.zeros(rows * queries, heads, 256, dtype=dtype)
+        kv = torch.zeros(rows * queries, 8, 256, dtype=dtype)
+        ca.canvas_attention(q, kv, kv, kv, kv, torch.zeros(rows, queries, dtype=torch.long),
+                            torch.zeros(rows, 8, dtype=torch.long), torch.zeros(rows, 4, dtype=torch.long),
+                            torch.zeros(4, rows, dtype=torch.long), window=1024)
+        return launched.pop()
+
+    assert ca.TALL_FROM_PROGRAMS == 1024  # 16 canvases of 256 queries, 16 heads: 4 x 16 x 16 tiles of 64
+    assert call(torch.bfloat16, 15)[:4] == (64, 64, 8, 2)
+    assert call(torch.bfloat16, 16) == (128, 64, 8, 1, 2)  # 256 queries in 2 tiles of 128
+    assert call(torch.float32, 16)[:4] == (64, 64, 8, 2)  # fp32 keeps the table's tile
+    monkeypatch.setenv("FLUXLAB_CANVAS_ATTENTION_CONFIG", '{"256": [64, 64, 8, 3]}')
+    assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 3)  # a sweep's config is what runs
+    monkeypatch.delenv("FLUXLAB_CANVAS_ATTENTION_CONFIG")
+    refuse_tall[0] = True
+    assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and launched == [(128, 64, 8, 1, 2)]
+    launched.clear()
+    assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and not launched  # not tried again
+    assert ca.tile_config(512, torch.bfloat16, 4096) == ca.CONFIGS[512]  # the full layers keep theirs
+
+
 CHECKS = "CANVAS_ATTENTION_CHECKS"  # which part the interpreter subprocess runs (each fits its 300 s)
 needs_triton = pytest.mark.skipif(not HAVE_TRITON,
                                   reason="triton not installed (the CPU check runs it under TRITON_INTERPRET=1)")

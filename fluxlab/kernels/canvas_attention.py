@@ -17,7 +17,8 @@ with an online softmax. Nothing a program computes depends on another row, on th
 (`prefix_slots` wider than this row's keys) or on where the row's tokens sit in the flat batch; a block
 that a tile skips (past its last causal key, before the window) would only have added exact zeros
 (alpha = 1, p = 0), so which blocks a tile walks changes no bit of a row. Tile sizes come from the head
-dim alone (`CONFIGS`; smaller, once, where the device refuses them for a dtype), never from the batch.
+dim (`CONFIGS`; smaller, once, where the device refuses them for a dtype), and a grid of many query tiles
+takes a taller query tile over the same key blocks (`TALL_TILES`: the same bits).
 fp32 inputs use IEEE dots (the interpreter tests compare with torch's sdpa to fp32 rounding); bf16 dots
 accumulate in fp32 with P rounded to bf16 (flash attention's numerics). A query that sees no key (a graph's dummy rows only) gets zeros.
 CUDA (or TRITON_INTERPRET=1, the tests).
@@ -36,18 +37,41 @@ if HAVE_TRITON:
 else:
     OutOfResources = RuntimeError
 
-# (BLOCK_M, BLOCK_N, warps, stages) by padded head dim, never by rows. 26B-A4B: sliding layers 256,
-# full layers 512 (acc [64, 512] fp32 = 128 registers a thread at 8 warps; K and V blocks [32, 512]
-# bf16 = 64 KiB a stage). FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}' overrides entries for a
-# sweep. A config changes the summation order: pick one, never per batch. H200 sweep, 2026-12-04 (benchmarks/
-# device/diffusion_gemma_attention_tiles.py, docs/benchmarks/2026-12-04_h200_canvas_attention_tiles.txt): these
-# are the fastest configs that keep their bits at 1, 2 and 16 canvases; query tiles of 32 or 16 rows (another
-# MMA instruction than 64-row tiles, another layout for the softmax's row sums) changed bits against them.
-# fp32 operands take twice the shared memory: on an H200 fp32 at 256 and 512 needs 459 and 271 KiB of
-# the 227 KiB a block may have, so a launch the device refuses steps down (`_smaller`) once per
-# (head dim, dtype, device) and keeps what fitted: still one config per engine, whatever the batch.
+# (BLOCK_M, BLOCK_N, warps, stages) by padded head dim (TALL_TILES below: a taller BLOCK_M for big grids).
+# 26B-A4B: sliding layers 256, full layers 512 (acc [64, 512] fp32 = 128 registers a thread at 8 warps; K and V
+# blocks [32, 512] bf16 = 64 KiB a stage). FLUXLAB_CANVAS_ATTENTION_CONFIG='{"512": [64, 32, 8, 2]}' overrides
+# entries for a sweep. A config's key block changes the summation order: one a head dim, never per batch. H200
+# sweep, 2026-12-04 (benchmarks/device/diffusion_gemma_attention_tiles.py,
+# docs/benchmarks/2026-12-04_h200_canvas_attention_tiles.txt): these are the fastest configs that keep their bits
+# at 1, 2 and 16 canvases; query tiles of 32 or 16 rows (another MMA instruction than 64-row tiles, another
+# layout for the softmax's row sums) changed bits against them. fp32 operands take twice the shared memory: on an
+# H200 fp32 at 256 and 512 needs 459 and 271 KiB of the 227 KiB a block may have, so a launch the device refuses
+# steps down (`_smaller`) once per (head dim, dtype, device) and keeps what fitted: still one config per engine,
+# whatever the batch.
 CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2),
                                                  128: (64, 64, 4, 2), 256: (64, 64, 8, 2), 512: (64, 32, 8, 2)}
+
+
+# Many query tiles (16 canvases: 1024 programs of 64 queries at 26B-A4B shapes): 128-query tiles at one stage for
+# the sliding layers' head dim, in half precision. The same key blocks in the same order on the same warpgroup MMA,
+# so the same bits as the table's tile: equal outputs at 1 and 16 canvases on one H100, 2026-12-07
+# (benchmarks/device/dg_kernel_probe.py attention), and at 1, 2 and 16 with 2 stages in the H200 sweep above.
+# There 0.462 -> 0.346 ms a sliding layer at 16 canvases, but 0.057 -> 0.070 at one (fewer programs than SMs):
+# hence by grid size. The full layers' 512 keep theirs (128-query tiles 4x slower).
+TALL_TILES: dict[int, tuple[int, int, int, int]] = {256: (128, 64, 8, 1)}
+TALL_FROM_PROGRAMS = 1024
+
+
+def tile_config(head_dim: int, dtype: torch.dtype, query_tiles: int) -> tuple[int, int, int, int]:
+    """The launch's (BLOCK_M, BLOCK_N, warps, stages): the table's (`config_for`), or TALL_TILES's where the table's
+    grid has `query_tiles` >= TALL_FROM_PROGRAMS programs (half precision; no FLUXLAB_CANVAS_ATTENTION_CONFIG)."""
+    config = config_for(head_dim)
+    padded = max(16, _next_pow2(head_dim))
+    tall = TALL_TILES.get(padded)
+    if (tall and tall[1] == config[1] and dtype in (torch.bfloat16, torch.float16) and query_tiles >= TALL_FROM_PROGRAMS
+            and not os.environ.get("FLUXLAB_CANVAS_ATTENTION_CONFIG")):
+        return tall
+    return config
 
 
 def _smaller(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
@@ -64,6 +88,7 @@ def _smaller(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | N
 
 
 _FITTED: dict[tuple[int, torch.dtype, torch.device], tuple[int, int, int, int]] = {}
+_NO_TALL: set[tuple[int, torch.dtype, torch.device]] = set()  # where TALL_TILES did not fit
 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
@@ -226,6 +251,9 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     fresh_t = fresh if fresh is not None else slots
     key = (padded, q.dtype, q.device)
     config = _FITTED.get(key) or config_for(head_dim)
+    tall = tile_config(head_dim, q.dtype, triton.cdiv(max_queries, config[0]) * num_heads * rows)
+    table_config, is_tall = config, tall[0] != config[0] and tall[1] == config[1] and key not in _NO_TALL
+    config = tall if is_tall else config
     first_choice = config
     while True:
         block_m, block_n, warps, stages = config
@@ -240,6 +268,10 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
                 scale * 1.4426950408889634, BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=window > 0,
                 HAS_FRESH=fresh is not None, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
         except OutOfResources:  # raised before the launch: nothing ran, try the next smaller tiles
+            if is_tall:  # the table's tile, never a smaller key block (other bits)
+                _NO_TALL.add(key)
+                config, is_tall, first_choice = table_config, False, table_config
+                continue
             config = _smaller(config)
             if config is None:
                 raise
