@@ -3,7 +3,6 @@
     python3 benchmarks/device/dg_kernel_probe.py attention [OUT.json]   canvas attention tile configs, b1 / b16
     python3 benchmarks/device/dg_kernel_probe.py moe [OUT.json]         fused MoE stages vs torch._grouped_mm
     python3 benchmarks/device/dg_kernel_probe.py moe_sweep              per-stage MoE tiles at one canvas (bits checked)
-    python3 benchmarks/device/dg_kernel_probe.py router                 the router's matmul in K-slices or one
     python3 benchmarks/device/dg_kernel_probe.py stats                  the sampler's statistics, 1024 positions
     python3 benchmarks/device/dg_kernel_probe.py once KERNEL BATCH      one warm call of a kernel (for ncu -k)
 
@@ -53,16 +52,21 @@ def attention_case(batch: int, kind: str):
 
 
 def attention(out: str | None) -> None:
+    """Each candidate config at every grid size (TALL_TILES off), then the shipped rule ("shipped": the table's tile
+    or TALL_TILES by grid size), every output against the first candidate's (the table's)."""
     results = []
     print(f"{'batch':>5} {'layer':>8} {'config':>16} {'ms':>8} {'TFLOP/s':>8} same")
+    tall_from = ca.TALL_FROM_PROGRAMS
     for batch in (1, 16):
         for kind in LAYERS:
             call, flops, head_dim = attention_case(batch, kind)
             shipped = ca.CONFIGS[head_dim]
             reference = None
-            for config in CANDIDATES[head_dim]:
-                ca.CONFIGS[head_dim] = config
+            for config in [*CANDIDATES[head_dim], "shipped"]:
+                ca.TALL_FROM_PROGRAMS = tall_from if config == "shipped" else 1 << 62
+                ca.CONFIGS[head_dim] = shipped if config == "shipped" else config
                 ca._FITTED.clear()
+                ca._NO_TALL.clear()
                 try:
                     got = call().clone()
                     reference = got if reference is None else reference
@@ -72,12 +76,15 @@ def attention(out: str | None) -> None:
                     print(f"  {config}: {type(e).__name__}: {str(e)[:100]}")
                     ms, same = float("nan"), None
                 ran = next(iter(ca._FITTED.values()), config)  # a config the device refused steps down
+                if ca._NO_TALL:
+                    ran = "table (tall refused)"
                 results.append(dict(batch=batch, layer=kind, config=config, ran=ran, ms=ms, tflops=flops / ms / 1e9,
                                     same=same))
                 print(f"{batch:>5} {kind:>8} {str(config):>16} {ms:8.4f} {flops / ms / 1e9:8.1f} {same}"
                       + ("" if ran == config else f" (ran {ran})"))
             ca.CONFIGS[head_dim] = shipped
             ca._FITTED.clear()
+    ca.TALL_FROM_PROGRAMS = tall_from
     if out:
         with open(out, "w") as f:
             json.dump(dict(prefix=PREFIX, results=results), f, indent=1)
@@ -192,29 +199,6 @@ def moe_sweep() -> None:
                   f"same={same}")
 
 
-def router() -> None:
-    """The router's [rows, 2816] x [2816, 128] product as graph replays inside tma.graph_tiles() (the graph runners'
-    path), in 4 K-slices by its shape (invariant_matmul.SHAPE_SLICES) and in one; bits of 256 rows alone vs among
-    4096."""
-    import fluxlab.kernels.invariant_matmul as im
-    from fluxlab.kernels import tma
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(E, H, generator=gen, device="cuda").bfloat16()
-    x = torch.randn(4096, H, generator=gen, device="cuda").bfloat16()
-    shipped = dict(im.SHAPE_SLICES)
-    for name, slices in (("4 slices", {(E, H): 4}), ("one", {})):
-        im.SHAPE_SLICES.clear()
-        im.SHAPE_SLICES.update(slices)
-        with tma.graph_tiles():
-            same = torch.equal(im.matmul(x[:256], w), im.matmul(x, w)[:256])
-            times = {rows: graph_ms(lambda rows=rows: im.matmul(x[:rows], w)) for rows in (256, 4096)}
-        spans = ", ".join(f"{rows} rows {ms * 1e3:.1f} us" for rows, ms in times.items())
-        print(f"router {name:>8} slices={im.splits_for(E, H)}: {spans}; alone = in batch {same}")
-    im.SHAPE_SLICES.clear()
-    im.SHAPE_SLICES.update(shipped)
-
-
 def stats_case(rows: int):
     from fluxlab.kernels.canvas_stats import canvas_stats
 
@@ -263,8 +247,6 @@ if __name__ == "__main__":
         moe(sys.argv[2] if len(sys.argv) > 2 else None)
     elif mode == "stats":
         stats()
-    elif mode == "router":
-        router()
     elif mode == "moe_sweep":
         moe_sweep()
     elif mode == "once":

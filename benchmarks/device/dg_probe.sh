@@ -1,8 +1,7 @@
 #!/bin/bash
 # Diffusion-Gemma's kernels against their floors on one GPU (issue 36.3), from the repo root with carry [".whl"]:
-#   OUT=$OUT bash benchmarks/device/run.sh dg_probe         (STEPS= any of S R A M G T N, in that order; default all)
+#   OUT=$OUT bash benchmarks/device/run.sh dg_probe         (STEPS= any of S A M G T N, in that order; default all)
 # S: the sampler's statistics kernels, this tree and BASE (a `git archive` of another commit's fluxlab/, if given);
-# R: the router's matmul with and without its K-slices by shape (dg_kernel_probe.py router);
 # A: the canvas attention kernel's tile configs as graph replays, b1 / b16 (dg_kernel_probe.py attention);
 # M: the fused MoE's per-stage tiles at one canvas, bits checked (dg_kernel_probe.py moe_sweep);
 # G: the fused MoE's stages against torch._grouped_mm at 256 / 4096 tokens (dg_kernel_probe.py moe);
@@ -10,7 +9,7 @@
 # N: Nsight Compute on one warm call each of the canvas attention (sliding, full), the MoE and the sampler's
 #    statistics at 16 canvases (NCU_KERNELS to narrow), SpeedOfLight / occupancy / warp stalls / pipes.
 OUT=${OUT:-/tmp/out_dg_probe}; mkdir -p "$OUT"
-STEPS=${STEPS:-SRAMGTN}
+STEPS=${STEPS:-SAMGTN}
 P=$PWD/benchmarks/device/dg_kernel_probe.py
 t() { echo "[t+${SECONDS}s] $*"; }
 if [[ $STEPS == *S* ]]; then
@@ -18,9 +17,6 @@ if [[ $STEPS == *S* ]]; then
   for tree in ${BASE:+$BASE} . ${BASE:+$BASE}; do
     echo "tree $tree"; (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 $P stats 2>&1 | tail -2)
   done
-fi
-if [[ $STEPS == *R* ]]; then
-  t "R: router slices"; timeout 60 python3 $P router 2>&1 | tail -3
 fi
 if [[ $STEPS == *A* ]]; then
   t "A: attention configs"; timeout 150 python3 $P attention "$OUT/attention.json" 2>&1 | tail -40
