@@ -21,6 +21,7 @@ import sys
 import torch
 
 import fluxlab.kernels.canvas_attention as ca
+from diffusion_gemma_moe_tiles import E, H, I, TOP_K, case as moe_case  # this directory: the script's sys.path[0]
 from fluxlab.bench.moe_tune import graph_ms as replay_ms
 
 L, WINDOW, HEADS, PREFIX = 256, 1024, 16, 512
@@ -28,7 +29,6 @@ LAYERS = {"sliding": (8, 256, True), "full": (2, 512, False)}
 CANDIDATES = {256: [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 2),
                     (128, 32, 8, 2), (128, 64, 8, 1), (64, 128, 8, 1)],
               512: [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1), (64, 64, 8, 1), (128, 32, 8, 1), (64, 16, 4, 2)]}
-E, TOP_K, H, I = 128, 8, 2816, 704
 
 
 def graph_ms(fn, inner: int = 10) -> float:
@@ -38,7 +38,6 @@ def graph_ms(fn, inner: int = 10) -> float:
 
 def attention_case(batch: int, kind: str):
     from fluxlab.models.diffusion_gemma.paged_attention import build_canvas_metadata
-    sys.path.insert(0, "benchmarks/device")
     from diffusion_gemma_attention_tiles import setup
 
     kv_heads, head_dim, sliding = LAYERS[kind]
@@ -90,10 +89,10 @@ def attention(out: str | None) -> None:
             json.dump(dict(prefix=PREFIX, results=results), f, indent=1)
 
 
-def moe_case(tokens: int, gen: torch.Generator):
-    x = (torch.randn(tokens, H, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
-    weights, index = torch.rand(tokens, E, generator=gen, device="cuda").topk(TOP_K, dim=-1)
-    return x, index, weights / weights.sum(-1, keepdim=True)
+def moe_weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 expert weights of 26B-A4B's shapes: w_gate_up [E, 2I, H], w_down [E, H, I]."""
+    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    return w_gate_up, (torch.randn(E, H, I, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
 
 
 def moe(out: str | None) -> None:
@@ -102,8 +101,7 @@ def moe(out: str | None) -> None:
     from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-    w_down = (torch.randn(E, H, I, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    w_gate_up, w_down = moe_weights(gen)
     w_gate_up_t, w_down_t = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
     results, alone = [], None
     for tokens in (256, 4096):
@@ -164,8 +162,7 @@ def moe_sweep() -> None:
     from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-    w_down = (torch.randn(E, H, I, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    w_gate_up, w_down = moe_weights(gen)
     x, index, weights = moe_case(L, gen)
     shipped = canvas_moe_config(L)
     sorted_ids, expert_ids, total = moe_align(index, E, shipped.BLOCK_M)
@@ -225,8 +222,7 @@ def once(kernel: str, batch: int) -> None:
         from fluxlab.kernels.fused_moe import fused_moe
         from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
         gen = torch.Generator(device="cuda").manual_seed(0)
-        w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-        w_down = (torch.randn(E, H, I, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        w_gate_up, w_down = moe_weights(gen)
         x, index, weights = moe_case(batch * L, gen)
         cfg = canvas_moe_config(batch * L)
         call = lambda: fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation="gelu_tanh")  # noqa: E731

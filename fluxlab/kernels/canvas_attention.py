@@ -65,8 +65,12 @@ TALL_FROM_PROGRAMS = 1024
 def tile_config(head_dim: int, dtype: torch.dtype, query_tiles: int) -> tuple[int, int, int, int]:
     """The launch's (BLOCK_M, BLOCK_N, warps, stages): the table's (`config_for`), or TALL_TILES's where the table's
     grid has `query_tiles` >= TALL_FROM_PROGRAMS programs (half precision; no FLUXLAB_CANVAS_ATTENTION_CONFIG)."""
-    config = config_for(head_dim)
-    padded = max(16, _next_pow2(head_dim))
+    return _tall_or(config_for(head_dim), max(16, _next_pow2(head_dim)), dtype, query_tiles)
+
+
+def _tall_or(config: tuple[int, int, int, int], padded: int, dtype: torch.dtype, query_tiles: int
+             ) -> tuple[int, int, int, int]:
+    """TALL_TILES's tile where it applies to `config` (the same key block), else `config`."""
     tall = TALL_TILES.get(padded)
     if (tall and tall[1] == config[1] and dtype in (torch.bfloat16, torch.float16) and query_tiles >= TALL_FROM_PROGRAMS
             and not os.environ.get("FLUXLAB_CANVAS_ATTENTION_CONFIG")):
@@ -250,10 +254,10 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     num_slots = prefix_slots.shape[1]
     fresh_t = fresh if fresh is not None else slots
     key = (padded, q.dtype, q.device)
-    config = _FITTED.get(key) or config_for(head_dim)
-    tall = tile_config(head_dim, q.dtype, triton.cdiv(max_queries, config[0]) * num_heads * rows)
-    table_config, is_tall = config, tall[0] != config[0] and tall[1] == config[1] and key not in _NO_TALL
-    config = tall if is_tall else config
+    table_config = _FITTED.get(key) or config_for(head_dim)
+    config = table_config if key in _NO_TALL else _tall_or(
+        table_config, padded, q.dtype, triton.cdiv(max_queries, table_config[0]) * num_heads * rows)
+    is_tall = config != table_config
     first_choice = config
     while True:
         block_m, block_n, warps, stages = config
