@@ -362,6 +362,35 @@ def test_canvas_attention_on_26b_head_shapes(dtype, head_dim, kv_heads, sliding)
     assert torch.equal(alone, got[:CANVAS]), "the first row (a canvas) alone vs in the batch"
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_the_tall_tile_of_sixteen_canvases_gives_the_table_tiles_bits(monkeypatch):
+    """26B-A4B's sliding layer in bf16: 16 canvases over different prefixes make 1024 programs, so the launch takes
+    TALL_TILES's 128-query tile (the same key blocks): every row's bits equal the table tile's (the rule off), the
+    first canvas alone (64 programs, the table's tile) equals it among the 16, and the batch is close to torch's."""
+    import fluxlab.kernels.canvas_attention as ca
+
+    head_dim, kv_heads = 256, 8
+    specs = [(512 - 16 * i, 8 * (i % 3), True) for i in range(16)]
+    assert ca.tile_config(head_dim, torch.bfloat16, 16 * 4 * 16) != ca.config_for(head_dim), "the tall rule is off"
+    pool = sum(c + e for c, e, _ in specs) + 8
+
+    def layer(rows, data=None, kernel=True):
+        return run_layer(rows, CANVAS, 1024, 16, kv_heads, head_dim, True, kernel=kernel, dtype=torch.bfloat16,
+                         device="cuda", data=data, pool=pool)
+
+    tall, _, data = layer(specs)
+    assert (head_dim, torch.bfloat16, tall.device) not in ca._NO_TALL, "the device refused the tall tile"
+    monkeypatch.setattr(ca, "TALL_FROM_PROGRAMS", 1 << 62)
+    table, _, _ = layer(specs, data)
+    assert torch.equal(tall, table), "the tall tile changed bits"
+    first = {n: (t if n in ("ck", "cv") else t[:CANVAS]) for n, t in data.items()}
+    alone, _, _ = layer(specs[:1], first)
+    assert torch.equal(alone, tall[:CANVAS]), "the first canvas alone vs among 16"
+    want, _, _ = layer(specs, data, kernel=False)
+    assert ((tall.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
 def _gpu_llm(path, dtype: str, attention: str, graphs: bool):
     from fluxlab.llm import LLM
 
