@@ -27,8 +27,8 @@ from fluxlab.bench.moe_tune import graph_ms as replay_ms
 L, WINDOW, HEADS, PREFIX = 256, 1024, 16, 512
 LAYERS = {"sliding": (8, 256, True), "full": (2, 512, False)}
 CANDIDATES = {256: [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 2),
-                    (128, 32, 8, 2), (128, 64, 8, 1), (64, 128, 8, 1)],
-              512: [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1), (64, 64, 8, 1), (128, 32, 8, 1), (64, 16, 4, 2)]}
+                    (128, 32, 8, 2), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 8, 3)],
+              512: [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1), (64, 64, 8, 1), (128, 32, 8, 1), (64, 16, 4, 2), (64, 32, 8, 3)]}
 
 
 def graph_ms(fn, inner: int = 10) -> float:
@@ -167,6 +167,7 @@ def moe_sweep() -> None:
     shipped = canvas_moe_config(L)
     sorted_ids, expert_ids, total = moe_align(index, E, shipped.BLOCK_M)
     inter = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, shipped, "gelu_tanh")
+    used = sorted_ids < L * TOP_K  # padding rows of `inter` are never written: compare the rows of slots
     want_down = down_stage(inter, w_down, weights.reshape(-1), sorted_ids, expert_ids, total, shipped)
     bytes_gate_up, bytes_down = w_gate_up.numel() * 2, w_down.numel() * 2
     for tma in (0, 1):
@@ -175,12 +176,12 @@ def moe_sweep() -> None:
             def call(cfg=cfg):
                 return gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg, "gelu_tanh")
             try:
-                same = torch.equal(call(), inter)
+                same = torch.equal(call()[used], inter[used])
                 ms = graph_ms(call)
             except Exception as e:  # noqa: BLE001 - out of shared memory
                 print(f"gate/up {(n, k, w, st)} tma={tma}: {type(e).__name__}")
                 continue
-            print(f"gate/up {str((n, k, w, st)):>18} tma={tma} {ms:.4f} ms {bytes_gate_up / ms / 1e9:6.0f} GB/s "
+            print(f"gate/up {str((n, k, w, st)):>18} tma={tma} {ms:.4f} ms {bytes_gate_up / ms / 1e6:6.0f} GB/s "
                   f"same={same}")
         for n, k, w, st in DOWN_TILES:
             cfg = dataclasses.replace(shipped, BLOCK_N2=n, BLOCK_K2=k, WARPS2=w, STAGES2=st, TMA2=tma)
@@ -192,7 +193,7 @@ def moe_sweep() -> None:
             except Exception as e:  # noqa: BLE001
                 print(f"down {(n, k, w, st)} tma={tma}: {type(e).__name__}")
                 continue
-            print(f"down    {str((n, k, w, st)):>18} tma={tma} {ms:.4f} ms {bytes_down / ms / 1e9:6.0f} GB/s "
+            print(f"down    {str((n, k, w, st)):>18} tma={tma} {ms:.4f} ms {bytes_down / ms / 1e6:6.0f} GB/s "
                   f"same={same}")
 
 
