@@ -57,7 +57,9 @@ CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (64, 64, 4, 2), 32: (64, 64
 # so the same bits as the table's tile: equal outputs at 1 and 16 canvases on one H100, 2026-12-07
 # (benchmarks/device/dg_kernel_probe.py attention), and at 1, 2 and 16 with 2 stages in the H200 sweep above.
 # There 0.462 -> 0.346 ms a sliding layer at 16 canvases, but 0.057 -> 0.070 at one (fewer programs than SMs):
-# hence by grid size. The full layers' 512 keep theirs (128-query tiles 4x slower).
+# hence by grid size. The full layers' 512 keep theirs (128-query tiles 4x slower). End to end on that H100 the
+# bf16 denoise step at 16 canvases went 97.2 -> 95.6-95.9 ms; tests/test_canvas_attention.py's tall-tile GPU test
+# checks the bits (docs/benchmarks.md, 2026-12-07, fifth session).
 TALL_TILES: dict[int, tuple[int, int, int, int]] = {256: (128, 64, 8, 1)}
 TALL_FROM_PROGRAMS = 1024
 
