@@ -2,7 +2,8 @@
 # Diffusion-Gemma's kernels against their floors on one GPU (issue 36.3), from the repo root with carry [".whl"]:
 #   OUT=$OUT bash benchmarks/device/run.sh dg_probe         (STEPS= any of S A M G T N, in that order; default all)
 # S: the sampler's statistics kernels, this tree and BASE (a `git archive` of another commit's fluxlab/, if given);
-# A: the canvas attention kernel's tile configs as graph replays, b1 / b16 (dg_kernel_probe.py attention);
+# A: the canvas attention kernel's tile configs as graph replays, b1 / b16 (dg_kernel_probe.py attention), this
+#    tree's kernel and each of A_TREES's (directories holding another commit's fluxlab/, carried);
 # M: the fused MoE's per-stage tiles at one canvas, bits checked (dg_kernel_probe.py moe_sweep);
 # G: the fused MoE's stages against torch._grouped_mm at 256 / 4096 tokens (dg_kernel_probe.py moe);
 # T: GPU tests of the kernels this probe touches (TESTS_FILES to change them);
@@ -19,7 +20,10 @@ if [[ $STEPS == *S* ]]; then
   done
 fi
 if [[ $STEPS == *A* ]]; then
-  t "A: attention configs"; timeout 150 python3 $P attention "$OUT/attention.json" 2>&1 | tail -40
+  for tree in . $A_TREES; do  # A_TREES: other trees' kernels (a `git archive BRANCH fluxlab` each), same candidates
+    name=$(basename $(cd $tree && pwd)); t "A: attention configs, tree $tree"
+    (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python3 $P attention "$OUT/attention_$name.json" 2>&1 | tail -40)
+  done
 fi
 if [[ $STEPS == *M* ]]; then
   t "M: moe stage tiles at one canvas"; timeout 120 python3 $P moe_sweep 2>&1 | tail -40
