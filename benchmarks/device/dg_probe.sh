@@ -22,7 +22,8 @@ fi
 if [[ $STEPS == *A* ]]; then
   for tree in . $A_TREES; do  # A_TREES: other trees' kernels (a `git archive BRANCH fluxlab` each), same candidates
     name=$(basename $(cd $tree && pwd)); t "A: attention configs, tree $tree"
-    (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python3 $P attention "$OUT/attention_$name.json" 2>&1 | tail -40)
+    (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python3 $P attention "$OUT/attention_$name.json" 2>&1 |
+      tail -40)
   done
 fi
 if [[ $STEPS == *M* ]]; then
