@@ -73,9 +73,11 @@ def attention(out: str | None) -> None:
                 try:
                     if reference is None:  # the table's tile, output dims unsplit (a branch's DSPLIT knob off)
                         dsplit = os.environ.pop("FLUXLAB_CANVAS_ATTENTION_DSPLIT", None)
-                        reference = call().clone()
-                        if dsplit is not None:
-                            os.environ["FLUXLAB_CANVAS_ATTENTION_DSPLIT"] = dsplit
+                        try:
+                            reference = call().clone()
+                        finally:
+                            if dsplit is not None:
+                                os.environ["FLUXLAB_CANVAS_ATTENTION_DSPLIT"] = dsplit
                     got = call().clone()
                     ms = graph_ms(call)
                     same = torch.equal(got, reference)
