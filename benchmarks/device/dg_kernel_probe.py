@@ -24,7 +24,8 @@ import sys
 import torch
 
 import fluxlab.kernels.canvas_attention as ca
-from diffusion_gemma_moe_tiles import E, H, I, TOP_K, case as moe_case  # this directory: the script's sys.path[0]
+# this directory (the script's sys.path[0])
+from diffusion_gemma_moe_tiles import E, H, I, TOP_K, case as moe_case, expert_weights
 from fluxlab.bench.moe_tune import graph_ms as replay_ms
 
 L, WINDOW, HEADS, PREFIX = 256, 1024, 16, 512
@@ -99,19 +100,13 @@ def attention(out: str | None) -> None:
             json.dump(dict(prefix=PREFIX, results=results), f, indent=1)
 
 
-def moe_weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random bf16 expert weights of 26B-A4B's shapes: w_gate_up [E, 2I, H], w_down [E, H, I]."""
-    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-    return w_gate_up, (torch.randn(E, H, I, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-
-
 def moe(out: str | None) -> None:
     from fluxlab.kernels.fused_moe import down_stage, gate_up_stage
     from fluxlab.kernels.moe_align import moe_align
     from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up, w_down = moe_weights(gen)
+    w_gate_up, w_down = expert_weights(gen)
     w_gate_up_t, w_down_t = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
     results, alone = [], None
     for tokens in (256, 4096):
@@ -172,39 +167,32 @@ def moe_sweep() -> None:
     from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up, w_down = moe_weights(gen)
+    w_gate_up, w_down = expert_weights(gen)
     x, index, weights = moe_case(L, gen)
     shipped = canvas_moe_config(L)
     sorted_ids, expert_ids, total = moe_align(index, E, shipped.BLOCK_M)
     inter = gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, shipped, "gelu_tanh")
     used = sorted_ids < L * TOP_K  # padding rows of `inter` are never written: compare the rows of slots
     want_down = down_stage(inter, w_down, weights.reshape(-1), sorted_ids, expert_ids, total, shipped)
-    bytes_gate_up, bytes_down = w_gate_up.numel() * 2, w_down.numel() * 2
+    # (name, tiles, the config fields a tile sets, weight, the stage, its shipped output, the rows compared)
+    stages = [("gate/up", GATE_UP_TILES, ("BLOCK_N1", "BLOCK_K1", "WARPS1", "STAGES1", "TMA1"), w_gate_up,
+               lambda cfg: gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg, "gelu_tanh"),
+               inter, used),
+              ("down", DOWN_TILES, ("BLOCK_N2", "BLOCK_K2", "WARPS2", "STAGES2", "TMA2"), w_down,
+               lambda cfg: down_stage(inter, w_down, weights.reshape(-1), sorted_ids, expert_ids, total, cfg),
+               want_down, slice(None))]
     for tma in (0, 1):
-        for n, k, w, st in GATE_UP_TILES:
-            cfg = dataclasses.replace(shipped, BLOCK_N1=n, BLOCK_K1=k, WARPS1=w, STAGES1=st, TMA1=tma)
-            def call(cfg=cfg):
-                return gate_up_stage(x, w_gate_up, sorted_ids, expert_ids, total, TOP_K, cfg, "gelu_tanh")
-            try:
-                same = torch.equal(call()[used], inter[used])
-                ms = graph_ms(call)
-            except Exception as e:  # noqa: BLE001 - out of shared memory
-                print(f"gate/up {(n, k, w, st)} tma={tma}: {type(e).__name__}")
-                continue
-            print(f"gate/up {str((n, k, w, st)):>18} tma={tma} {ms:.4f} ms {bytes_gate_up / ms / 1e6:6.0f} GB/s "
-                  f"same={same}")
-        for n, k, w, st in DOWN_TILES:
-            cfg = dataclasses.replace(shipped, BLOCK_N2=n, BLOCK_K2=k, WARPS2=w, STAGES2=st, TMA2=tma)
-            def call(cfg=cfg):
-                return down_stage(inter, w_down, weights.reshape(-1), sorted_ids, expert_ids, total, cfg)
-            try:
-                same = torch.equal(call(), want_down)
-                ms = graph_ms(call)
-            except Exception as e:  # noqa: BLE001
-                print(f"down {(n, k, w, st)} tma={tma}: {type(e).__name__}")
-                continue
-            print(f"down    {str((n, k, w, st)):>18} tma={tma} {ms:.4f} ms {bytes_down / ms / 1e6:6.0f} GB/s "
-                  f"same={same}")
+        for name, tiles, fields, weight, stage, want, rows in stages:
+            for tile in tiles:
+                cfg = dataclasses.replace(shipped, **dict(zip(fields, (*tile, tma))))
+                try:
+                    same = torch.equal(stage(cfg)[rows], want[rows])
+                    ms = graph_ms(lambda cfg=cfg: stage(cfg))
+                except Exception as e:  # noqa: BLE001 - out of shared memory
+                    print(f"{name} {tile} tma={tma}: {type(e).__name__}")
+                    continue
+                print(f"{name:7} {str(tile):>18} tma={tma} {ms:.4f} ms {weight.numel() * 2 / ms / 1e6:6.0f} GB/s "
+                      f"same={same}")
 
 
 def stats_case(rows: int):
@@ -233,7 +221,7 @@ def once(kernel: str, batch: int) -> None:
         from fluxlab.kernels.fused_moe import fused_moe
         from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
         gen = torch.Generator(device="cuda").manual_seed(0)
-        w_gate_up, w_down = moe_weights(gen)
+        w_gate_up, w_down = expert_weights(gen)
         x, index, weights = moe_case(batch * L, gen)
         cfg = canvas_moe_config(batch * L)
         call = lambda: fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation="gelu_tanh")  # noqa: E731

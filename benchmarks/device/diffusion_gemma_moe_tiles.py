@@ -70,12 +70,17 @@ def case(tokens, gen):
     return x, index, weights / weights.sum(-1, keepdim=True)
 
 
+def expert_weights(gen):
+    """Random bf16 expert weights of 26B-A4B's shapes: w_gate_up [E, 2I, H], w_down [E, H, I]."""
+    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+    return w_gate_up, (torch.randn(E, H, I, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+
+
 def main():
     fp8 = "--fp8" in sys.argv
     args = [a for a in sys.argv[1:] if a != "--fp8"]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
-    w_down = (torch.randn(E, H, I, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+    w_gate_up, w_down = expert_weights(gen)
     if fp8:
         gate_up_q, down_q = quantize_stacked(w_gate_up, 2), quantize_blocks(w_down)
         candidates, current = FP8_CANDIDATES, FP8_CURRENT
