@@ -192,24 +192,16 @@ if HAVE_TRITON:
             p = start + tl.arange(0, BLOCK_N)
             p_ok = p < num_prefix
             slot = tl.load(slots_ptr + row * stride_slots + p, mask=p_ok, other=0).to(tl.int64)
-            from_cache = p_ok
+            key_rows = ck_ptr + slot * stride_ct + kv_head * stride_ch
+            value_rows = cv_ptr + slot * stride_cvt + kv_head * stride_cvh
             if HAS_FRESH:  # keys this forward writes: from the forward (the ring slot may hold an older block)
                 fresh = tl.load(fresh_ptr + row * stride_fresh + p, mask=p_ok, other=-1).to(tl.int64)
-                from_cache = p_ok & (fresh < 0)
-            cache_ok = from_cache[:, None] & d_ok[None, :]
-            keys = tl.load(ck_ptr + slot[:, None] * stride_ct + kv_head * stride_ch + dims[None, :], mask=cache_ok,
-                           other=0.0)
-            values = tl.load(cv_ptr + slot[:, None] * stride_cvt + kv_head * stride_cvh + dims[None, :],
-                             mask=cache_ok, other=0.0)
-            if HAS_FRESH:
-                fresh_ok = (p_ok & (fresh >= 0))[:, None] & d_ok[None, :]
-                at = tl.maximum(fresh, 0)
-                fresh_keys = tl.load(k_ptr + at[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                                     mask=fresh_ok, other=0.0)
-                fresh_values = tl.load(v_ptr + at[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                                       mask=fresh_ok, other=0.0)
-                keys = tl.where(fresh_ok, fresh_keys, keys)
-                values = tl.where(fresh_ok, fresh_values, values)
+                # one gather from either source per key row (not a load from each and a select per element)
+                key_rows = tl.where(fresh >= 0, k_ptr + fresh * stride_kt + kv_head * stride_kh, key_rows)
+                value_rows = tl.where(fresh >= 0, v_ptr + fresh * stride_vt + kv_head * stride_vh, value_rows)
+            at_ok = p_ok[:, None] & d_ok[None, :]
+            keys = tl.load(key_rows[:, None] + dims[None, :], mask=at_ok, other=0.0)
+            values = tl.load(value_rows[:, None] + dims[None, :], mask=at_ok, other=0.0)
             key_pos = (first + p)[None, :]
             encoder_sees = key_pos <= q_pos[:, None]
             canvas_sees = p_ok[None, :]
