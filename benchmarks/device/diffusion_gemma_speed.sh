@@ -4,7 +4,7 @@
 # (benchmarks/device/diffusion_gemma_invariance_probe.py); C: kernel profile of a denoising step at batch 1
 # and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
 # `git archive` of the commit before this round; BASE="dir1 dir2" names others) then this tree, in one call
-# (DG_BATCHES, default 1,16; QUANT=fp8 for model.quantization=fp8); T: the
+# (DG_BATCHES, default 1,16; QUANT=fp8 for model.quantization=fp8; PROMPT_TOKENS, default 256); T: the
 # invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py); M: the fused MoE's tile sweep at 1 and 16
 # canvases with the bit check a per-batch config needs (diffusion_gemma_moe_tiles.py). Outputs under $OUT.
 # Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
@@ -19,8 +19,8 @@ t() { echo "[t+${SECONDS}s] $*"; }
 nvidia-smi -L 2>&1 | head -1
 STEPS=${STEPS:-ABCD}
 BASE=${BASE:-.base}
-BENCH="--graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512
-  --repeats ${REPEATS:-5} --quantization ${QUANT:-none}"
+BENCH="--graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1 --steps 16
+  --prompt-tokens ${PROMPT_TOKENS:-256} --max-new-tokens 512 --repeats ${REPEATS:-5} --quantization ${QUANT:-none}"
 
 if [[ $STEPS == *A* ]]; then
   t "A: gpu tests"
