@@ -48,6 +48,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What `make test ARGS=...` exports to its children; a user's shell running the README's `make serve` has none
+# (with them, `make serve` would take the test run's ARGS as serve overrides).
+MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
+
+
+def _user_env(extra: dict | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES}
+    return {**env, **(extra or {})}
+
+
 class Served:
     """A command that serves on `port`, its output in a log file; stopped with SIGTERM."""
 
@@ -56,7 +66,7 @@ class Served:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env=_user_env(env), start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
