@@ -30,10 +30,13 @@ from fluxlab.bench.moe_tune import graph_ms as replay_ms
 
 L, WINDOW, HEADS, PREFIX = 256, 1024, 16, 512
 LAYERS = {"sliding": (8, 256, True), "full": (2, 512, False)}
+# The table's key block first (the bits every other candidate must keep); the last ones change the key block, so
+# their bits differ (`same` False): they could only replace the table's tile and the tall one together. They are the
+# tiles that compile without spills for sm90 (benchmarks/device/canvas_attention_sm90.py, 2026-12-07).
 CANDIDATES = {256: [(64, 64, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 8, 3), (128, 64, 16, 1),
-                    (128, 64, 16, 2), (64, 64, 16, 2)],  # key blocks of 64 only: another BLOCK_N changes bits
+                    (128, 64, 16, 2), (64, 64, 16, 2), (64, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3)],
               512: [(64, 32, 8, 2), (64, 32, 8, 1), (128, 32, 8, 1), (64, 32, 8, 3), (64, 32, 16, 2), (64, 32, 16, 1),
-                    (128, 32, 16, 1)]}
+                    (128, 32, 16, 1), (64, 16, 8, 2)]}
 
 
 def graph_ms(fn, inner: int = 10) -> float:
