@@ -31,8 +31,9 @@ from fluxlab.bench.moe_tune import graph_ms as replay_ms
 L, WINDOW, HEADS, PREFIX = 256, 1024, 16, 512
 LAYERS = {"sliding": (8, 256, True), "full": (2, 512, False)}
 # The table's key block first (the bits every other candidate must keep); the last ones change the key block, so
-# their bits differ (`same` False): they could only replace the table's tile and the tall one together. They are the
-# tiles that compile without spills for sm90 (benchmarks/device/canvas_attention_sm90.py, 2026-12-07).
+# their bits differ (`same` False): they could only replace the table's tile and the tall one together. For sm90 the
+# 32-key tiles of head dim 256 compile without spills, the 64-key ones spill 16-144 bytes a thread; at 512 the 16-key
+# tile spills 128, the table's 208 (benchmarks/device/canvas_attention_sm90.py, triton 3.9, 2026-12-07).
 CANDIDATES = {256: [(64, 64, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 8, 3), (128, 64, 16, 1),
                     (128, 64, 16, 2), (64, 64, 16, 2), (64, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3)],
               512: [(64, 32, 8, 2), (64, 32, 8, 1), (128, 32, 8, 1), (64, 32, 8, 3), (64, 32, 16, 2), (64, 32, 16, 1),
