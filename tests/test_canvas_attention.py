@@ -313,7 +313,8 @@ def test_many_query_tiles_take_the_tall_tile_in_half_precision_and_fall_back_to_
     assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and launched == [(128, 64, 8, 1, 2)]
     launched.clear()
     assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and not launched  # not tried again
-    assert ca.tile_config(512, torch.bfloat16, 4096) == ca.CONFIGS[512]  # the full layers keep theirs
+    # the full layers keep theirs
+    assert ca.tile_config(ca.config_for(512), 512, torch.bfloat16, 4096) == ca.CONFIGS[512]
 
 
 CHECKS = "CANVAS_ATTENTION_CHECKS"  # which part the interpreter subprocess runs (each fits its 300 s)
@@ -372,7 +373,8 @@ def test_the_tall_tile_of_sixteen_canvases_gives_the_table_tiles_bits(monkeypatc
 
     head_dim, kv_heads = 256, 8
     specs = [(512 - 16 * i, 8 * (i % 3), True) for i in range(16)]
-    assert ca.tile_config(head_dim, torch.bfloat16, 16 * 4 * 16) != ca.config_for(head_dim), "the tall rule is off"
+    table = ca.config_for(head_dim)
+    assert ca.tile_config(table, head_dim, torch.bfloat16, 16 * 4 * 16) != table, "the tall rule is off"
     pool = sum(c + e for c, e, _ in specs) + 8
 
     def layer(rows, data=None, kernel=True):

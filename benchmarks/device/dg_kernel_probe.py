@@ -11,14 +11,11 @@ full: 2 of 512; 16 query heads; a canvas of 256 over `PREFIX` cached keys), ever
 bits against the first (the shipped one) and each reported with its TFLOP/s. `moe` times the gate/up and down stages of
 the fused MoE (layers.canvas_moe_config) and the same products as torch._grouped_mm over rows sorted by expert (the
 gather left out), with whether grouped_mm gives a canvas inside 4096 tokens the bits of that canvas alone.
-With FLUXLAB_CANVAS_ATTENTION_DSPLIT set (a knob of branch candidate/canvas-attention-dsplit's kernel, run through
-dg_probe.sh's A_TREES), the bits reference is the first config with the knob off.
 `once attention_sliding|attention_full|moe|stats 16` runs three warm calls for `ncu --launch-skip 2 --launch-count 1`.
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -76,14 +73,8 @@ def attention(out: str | None) -> None:
                 ca._FITTED.clear()
                 ca._NO_TALL.clear()
                 try:
-                    if reference is None:  # the table's tile, output dims unsplit (a branch's DSPLIT knob off)
-                        dsplit = os.environ.pop("FLUXLAB_CANVAS_ATTENTION_DSPLIT", None)
-                        try:
-                            reference = call().clone()
-                        finally:
-                            if dsplit is not None:
-                                os.environ["FLUXLAB_CANVAS_ATTENTION_DSPLIT"] = dsplit
                     got = call().clone()
+                    reference = got if reference is None else reference  # the table's tile
                     ms = graph_ms(call)
                     same = torch.equal(got, reference)
                 except Exception as e:  # noqa: BLE001 - a config out of registers / shared memory

@@ -64,15 +64,11 @@ TALL_TILES: dict[int, tuple[int, int, int, int]] = {256: (128, 64, 8, 1)}
 TALL_FROM_PROGRAMS = 1024
 
 
-def tile_config(head_dim: int, dtype: torch.dtype, query_tiles: int) -> tuple[int, int, int, int]:
-    """The launch's (BLOCK_M, BLOCK_N, warps, stages): the table's (`config_for`), or TALL_TILES's where the table's
-    grid has `query_tiles` >= TALL_FROM_PROGRAMS programs (half precision; no FLUXLAB_CANVAS_ATTENTION_CONFIG)."""
-    return _tall_or(config_for(head_dim), max(16, _next_pow2(head_dim)), dtype, query_tiles)
-
-
-def _tall_or(config: tuple[int, int, int, int], padded: int, dtype: torch.dtype, query_tiles: int
-             ) -> tuple[int, int, int, int]:
-    """TALL_TILES's tile where it applies to `config` (the same key block), else `config`."""
+def tile_config(config: tuple[int, int, int, int], padded: int, dtype: torch.dtype, query_tiles: int
+                ) -> tuple[int, int, int, int]:
+    """The launch's (BLOCK_M, BLOCK_N, warps, stages) for the table's `config` (`config_for`, or what fitted):
+    TALL_TILES's tile where it keeps the key block and the table's grid has `query_tiles` >= TALL_FROM_PROGRAMS
+    programs (half precision; no FLUXLAB_CANVAS_ATTENTION_CONFIG), else `config`."""
     tall = TALL_TILES.get(padded)
     if (tall and tall[1] == config[1] and dtype in (torch.bfloat16, torch.float16) and query_tiles >= TALL_FROM_PROGRAMS
             and not os.environ.get("FLUXLAB_CANVAS_ATTENTION_CONFIG")):
@@ -249,7 +245,7 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     fresh_t = fresh if fresh is not None else slots
     key = (padded, q.dtype, q.device)
     table_config = _FITTED.get(key) or config_for(head_dim)
-    config = table_config if key in _NO_TALL else _tall_or(
+    config = table_config if key in _NO_TALL else tile_config(
         table_config, padded, q.dtype, triton.cdiv(max_queries, table_config[0]) * num_heads * rows)
     is_tall = config != table_config
     first_choice = config
