@@ -55,7 +55,7 @@ def run(x, w, cfg):
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), 1)
     im._matmul_kernel[grid](x, w, None, None, out, M, N, K, -(-K // bk) * bk, x.stride(0), x.stride(1), w.stride(0),
                             w.stride(1), 0, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=im.GROUP_M,
-                            IEEE=False, TMA=False, W_KN=False, num_warps=warps, num_stages=stages)
+                            IEEE=False, TMA=False, W_KN=False, WALK=1, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -13,14 +13,15 @@ leaves most SMs idle). No tile of the H200 sweeps (2026-12-03/04, up to 11 confi
 rows among 2048 and 16384 (default tiles). Every tile has 64+ rows, the range the sweeps checked: on
 sm90 a 16- or 32-row tile takes another MMA instruction (not warpgroup MMA), and the canvas
 attention's sweep of 2026-12-04 saw 32-row query tiles change bits against 64-row ones (cause not
-isolated: that instruction, or its row sums' reduction layout). Products with a long reduction are
-cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials `_sum_slices_kernel` adds
-in slice order, elementwise: never a number that depends on the rows.
+isolated: that instruction, or its row sums' reduction layout). Products with a long reduction (and the
+weights of SHAPE_SLICES) are cut into a number of K-slices fixed by the weight (`splits_for`). Below WALK_ROWS rows
+each slice is a program of its own (a canvas's narrow product fills the SMs) and `_sum_slices_kernel` adds their fp32
+partials in slice order, elementwise; from WALK_ROWS rows one program walks its tile's slices in order, each into a
+fresh accumulator added to the tile's running total (no fp32 round trip through memory). Both are
+((slice 0 + slice 1) + slice 2) ..., so the same bits: never a number that depends on the rows.
 
-(Slicing narrow weights by shape, with a canvas's slices in programs of their own and a large batch's
-walked by one program -- the same sums -- was measured on an H200 on 2026-12-04: -0.9 ms a step at
-batch 1, +7 ms at batch 16, where a program walking its slices pipelines its loads worse;
-docs/benchmarks.md.)
+(Slicing narrow weights by shape, with a large batch's slices walked by one program without TMA or persistent
+launches, was measured on an H200 on 2026-12-04: -0.9 ms a step at batch 1, +7 ms at batch 16; docs/benchmarks.md.)
 
 Inside `tma.graph_tiles()` (a CUDA graph's warm-up and capture, kernels/tma.py), where FLUXLAB_TMA names "matmul"
 (the default), the x and w tiles come through TMA descriptors on sm90+: the same chunks in the same
@@ -61,28 +62,20 @@ LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
 # call per tile and 11.2-14.0 persistent (one H100, 2026-12-07).
 PERSISTENT_MAX_N = 65536
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
+# K-slices by weight shape (N, K), the same at every row count (batch invariance); benchmarks/device/matmul_slices.py
+# times each candidate at one and sixteen canvases.
+SHAPE_SLICES: dict[tuple[int, int], int] = {}
+WALK_ROWS = 1024  # from here one program walks its tile's K-slices (module doc)
 
 if HAVE_TRITON:
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
-                       stride_wk, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-                       W_KN: tl.constexpr):
-        # TMA: tiles through descriptors, x's over [M, K] and w's over [N, K] or, W_KN, over [K, N] (w.t() contiguous)
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _chunks(acc, x_ptrs, w_ptrs, x_desc, w_desc, k_lo, k_end, rows, cols, M, N, pid_m, pid_n, stride_xk, stride_wk,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                TMA: tl.constexpr, W_KN: tl.constexpr):
+        # acc + the K-chunks [k_lo, k_end) in order; TMA: tiles through descriptors, x's over [M, K] and w's over
+        # [N, K] or, W_KN, over [K, N] (w.t() contiguous); else the pointers, advanced past the chunks
         offs_k = tl.arange(0, BLOCK_K)
-        k_start = split * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :].to(tl.int64) * stride_xk
-        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None].to(tl.int64) * stride_wk
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(k_start, k_end, BLOCK_K):
+        for k in range(k_lo, k_end, BLOCK_K):
             if TMA:
                 a = x_desc.load([pid_m * BLOCK_M, k])
                 if W_KN:
@@ -93,38 +86,72 @@ if HAVE_TRITON:
                 k_ok = (k + offs_k) < k_end
                 a = tl.load(x_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
+                x_ptrs += BLOCK_K * stride_xk
+                w_ptrs += BLOCK_K * stride_wk
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-        o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
-                  + cols[None, :])
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        return acc, x_ptrs, w_ptrs
 
     @triton.jit
-    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, PROGRAMS, BLOCK_M: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                  W_KN: tl.constexpr):
-        # TMA tiles, one K-slice: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each
-        # summing the same chunks in the same order (kernels/tma.py)
+    def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
+                       stride_wk, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+                       W_KN: tl.constexpr, WALK: tl.constexpr):
+        # WALK: K-slices this program walks from its own (program_id(1)), each into a fresh accumulator added in order
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_start = split * k_per_split
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :].to(tl.int64) * stride_xk
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None].to(tl.int64) * stride_wk
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if WALK == 1:
+            total, x_ptrs, w_ptrs = _chunks(total, x_ptrs, w_ptrs, x_desc, w_desc, k_start,
+                                            tl.minimum(k_start + k_per_split, K), rows, cols, M, N, pid_m, pid_n,
+                                            stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA, W_KN)
+        else:
+            for s in range(WALK):
+                k_lo = k_start + s * k_per_split
+                acc, x_ptrs, w_ptrs = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, w_ptrs, x_desc,
+                                              w_desc, k_lo, tl.minimum(k_lo + k_per_split, K), rows, cols, M, N,
+                                              pid_m, pid_n, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                                              TMA, W_KN)
+                total += acc  # 0 + acc is acc: an accumulator that starts at +0 never sums to -0
+        o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
+                  + cols[None, :])
+        tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit
+    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_om, PROGRAMS,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  GROUP_M: tl.constexpr, W_KN: tl.constexpr, WALK: tl.constexpr):
+        # TMA tiles: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each tile its WALK
+        # K-slices as `_matmul_kernel` walks them: the same chunks in the same order (kernels/tma.py)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
             pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                a = x_desc.load([pid_m * BLOCK_M, k])
-                if W_KN:
-                    b = w_desc.load([k, pid_n * BLOCK_N])
-                else:
-                    b = w_desc.load([pid_n * BLOCK_N, k]).T
-                acc = tl.dot(a, b, acc)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if WALK == 1:
+                total, _, _ = _chunks(total, 0, 0, x_desc, w_desc, 0, K, rows, cols, M, N, pid_m, pid_n, 0, 0,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
+            else:
+                for s in range(WALK):
+                    acc, _, _ = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, 0, x_desc, w_desc,
+                                        s * k_per_split, tl.minimum((s + 1) * k_per_split, K), rows, cols, M, N,
+                                        pid_m, pid_n, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
+                    total += acc
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+                     total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
     def _sum_slices_kernel(parts_ptr, out_ptr, numel, SLICES: tl.constexpr, BLOCK: tl.constexpr):
@@ -144,8 +171,10 @@ def use_kernel(x: torch.Tensor) -> bool:
     return HAVE_TRITON and ((x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)) or _interpret())
 
 
-def splits_for(k: int) -> int:
-    """K-slices of a reduction of length k: a function of k alone (batch invariance)."""
+def splits_for(n: int, k: int) -> int:
+    """K-slices of an [*, k] x [k, n] product: a function of the weight's shape alone (batch invariance)."""
+    if (n, k) in SHAPE_SLICES:
+        return SHAPE_SLICES[(n, k)]
     return max(1, -(-k // SLICE_K)) if k > 2 * SLICE_K else 1
 
 
@@ -174,24 +203,26 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
         x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
         w_desc = (TensorDescriptor.from_tensor(w.t(), [BLOCK_K, block_n]) if w_kn
                   else TensorDescriptor.from_tensor(w, [block_n, BLOCK_K]))
-    splits = splits_for(K)
+    splits = splits_for(N, K)
     k_per_split = -(-K // splits)
     k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
     splits = -(-K // k_per_split)
+    walk = splits if M >= WALK_ROWS else 1  # slices a program walks
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if persistent and x_desc is not None and splits == 1:
+    if persistent and x_desc is not None and walk == splits:
         grid = tma_tiles.programs(x.device, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
-        _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, out.stride(0), PROGRAMS=grid, BLOCK_M=block_m,
-                                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, W_KN=w_kn,
-                                           num_warps=warps, num_stages=stages)
+        _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, k_per_split, out.stride(0), PROGRAMS=grid,
+                                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+                                           W_KN=w_kn, WALK=walk, num_warps=warps, num_stages=stages)
         return out
-    parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
+    parts = out if walk == splits else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits // walk)
     _matmul_kernel[grid](x, w, x_desc, w_desc, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0),
-                         w.stride(1), parts.stride(0) if splits > 1 else 0, parts.stride(-2), BLOCK_M=block_m,
+                         w.stride(1), parts.stride(0) if parts is not out else 0, parts.stride(-2), BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32,
-                         TMA=x_desc is not None, W_KN=w_kn and x_desc is not None, num_warps=warps, num_stages=stages)
-    if splits > 1:
+                         TMA=x_desc is not None, W_KN=w_kn and x_desc is not None, WALK=walk, num_warps=warps,
+                         num_stages=stages)
+    if parts is not out:
         block = 1024
         _sum_slices_kernel[(triton.cdiv(M * N, block),)](parts, out, M * N, SLICES=splits, BLOCK=block)
     return out

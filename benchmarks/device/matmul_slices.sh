@@ -1,0 +1,22 @@
+# K-slices by weight shape for Diffusion-Gemma's bf16 matmuls (benchmarks/device/matmul_slices.py): the sweep (K=1),
+# then the denoising step with the table it picks against none, alternated (D=1, runs "none sliced none sliced" by
+# default; DG_BATCHES, default 1,16). TABLE=file skips the sweep's pick and benches that table.
+if [ "${K:-1}" = 1 ]; then
+  timeout ${KTIMEOUT:-240} python3 benchmarks/device/matmul_slices.py $OUT/matmul_slices.json 2>&1 | grep -vi warn \
+    | tee $OUT/matmul_slices.txt | tail -${KTAIL:-30}
+fi
+table=${TABLE:-$OUT/table.json}
+[ -n "$TABLE" ] || python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))['table'], open(sys.argv[2], 'w'))" \
+  $OUT/matmul_slices.json $table
+echo "table: $(cat $table)"
+echo '{}' > $OUT/none.json
+if [ "${D:-1}" = 1 ]; then
+  i=0
+  for v in ${RUNS:-none sliced none sliced}; do
+    i=$((i + 1)); t=$table; [ $v = none ] && t=$OUT/none.json
+    timeout ${DG_TIMEOUT:-150} python3 benchmarks/device/matmul_slices.py --bench $t --preset diffusion_gemma_26b_a4b \
+      --graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1 --steps 16 --prompt-tokens 256 \
+      --max-new-tokens 512 --repeats 3 --out $OUT/dg_${i}_$v.json > $OUT/dg_${i}_$v.log 2>&1
+    echo "DG $v exit $?"; grep -vi warn $OUT/dg_${i}_$v.log | grep -v "^$" | tail -5
+  done
+fi
