@@ -25,9 +25,6 @@ DEFAULT_TILES = [(64, 64, 8, 2, 256, True), (128, 64, 8, 1, 256, True), (128, 64
 
 
 def resources(kernel, tile: tuple, fresh: bool) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     block_m, block_n, warps, stages, padded, sliding = tile
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=sliding, HAS_FRESH=fresh, IEEE=False)
     signature, attrs = {}, {}
@@ -43,6 +40,14 @@ def resources(kernel, tile: tuple, fresh: bool) -> str:
             signature[name] = "i32"
             if name not in NOT_SPECIALIZED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    return sm90_usage(kernel, signature, constexprs, attrs, warps, stages)
+
+
+def sm90_usage(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> str:
+    """'REG:n STACK:n shared n SASS n' of `kernel` compiled for sm90 (a ptxas failure raises)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     # a ptxas failure prints the whole PTX: keep the exception's message, not the listing
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
@@ -53,8 +58,10 @@ def resources(kernel, tile: tuple, fresh: bool) -> str:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True).stdout
     line = next(line for line in usage.splitlines() if "REG:" in line).split()
-    return f"{line[0]:8} {line[1]:11} shared {compiled.metadata.shared}"
+    instructions = sum(1 for row in sass.splitlines() if row.strip().startswith("/*") and "*/" in row.strip()[2:8])
+    return f"{line[0]:8} {line[1]:11} shared {compiled.metadata.shared:<6} SASS {instructions}"
 
 
 def main(argv: list[str]) -> None:

@@ -16,8 +16,8 @@ attention's sweep of 2026-12-04 saw 32-row query tiles change bits against 64-ro
 isolated: that instruction, or its row sums' reduction layout). Products with a long reduction (and the
 weights of SHAPE_SLICES) are cut into a number of K-slices fixed by the weight (`splits_for`). Below WALK_ROWS rows
 each slice is a program of its own (a canvas's narrow product fills the SMs) and `_sum_slices_kernel` adds their fp32
-partials in slice order, elementwise; from WALK_ROWS rows one program walks its tile's slices in order, each into a
-fresh accumulator added to the tile's running total (no fp32 round trip through memory). Both are
+partials in slice order, elementwise; from WALK_ROWS rows one program walks a SHAPE_SLICES product's slices in order,
+each into a fresh accumulator added to the tile's running total (no fp32 round trip through memory). Both are
 ((slice 0 + slice 1) + slice 2) ..., so the same bits: never a number that depends on the rows.
 
 (Slicing narrow weights by shape, with a large batch's slices walked by one program without TMA or persistent
@@ -207,7 +207,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
     k_per_split = -(-K // splits)
     k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
     splits = -(-K // k_per_split)
-    walk = splits if M >= WALK_ROWS else 1  # slices a program walks
+    # slices a program walks: a long reduction's stay programs of their own at every row count (walking the
+    # self-conditioning product's 16 on its 128x256 tile spills registers on sm90: benchmarks/device/matmul_sm90.py)
+    walk = splits if M >= WALK_ROWS and (N, K) in SHAPE_SLICES else 1
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if persistent and x_desc is not None and walk == splits:
         grid = tma_tiles.programs(x.device, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))

@@ -1,0 +1,66 @@
+"""The batch-invariant matmul's sm90 resources without a GPU (kernels/invariant_matmul.py): registers, stack (spills),
+shared memory and SASS instructions of each launch path at a tile, for a number of K-slices a program walks.
+
+Paths: `pointers` (eager calls: `_matmul_kernel` with pointer loads), `tma` (inside a graph's warm-up and capture,
+below PERSISTENT_ROWS rows: the same kernel on TMA descriptors), `persistent` (from PERSISTENT_ROWS rows). WALK 1 is
+a program's own slice (every product today), WALK > 1 the slices one program walks from WALK_ROWS rows
+(SHAPE_SLICES). Compiled as canvas_attention_sm90.py does (Triton's CUDA backend on the CPU machine, the launch's
+divisibility-by-16 specialization); the Triton here may not be the device image's.
+Usage: python3 benchmarks/device/matmul_sm90.py [TREE] [BM,BN,WARPS,STAGES ...] (TREE: a directory holding a fluxlab/,
+default this checkout; default tiles: the tables' tiles)
+"""
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from canvas_attention_sm90 import HERE, sm90_usage  # noqa: E402
+
+NOT_SPECIALIZED = {"M", "PROGRAMS"}  # the row count and the persistent grid are whatever the batch makes them
+
+
+def usage(kernel, constexprs: dict, tile: tuple) -> str:
+    block_m, block_n, warps, stages = tile
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_desc"):
+            rows = block_n if name == "w_desc" else block_m
+            signature[name] = f"tensordesc<bf16[{rows}, {constexprs['BLOCK_K']}]>"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name not in NOT_SPECIALIZED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sm90_usage(kernel, signature, constexprs, attrs, warps, stages)
+
+
+def main(argv: list[str]) -> None:
+    tree = argv[0] if argv and not argv[0][0].isdigit() else HERE
+    sys.path.insert(0, tree)
+    im = importlib.import_module("fluxlab.kernels.invariant_matmul")
+    tiles = [tuple(int(v) for v in arg.split(",")) for arg in argv if arg[0].isdigit()] or list(dict.fromkeys(
+        [im.DEFAULT_TILE, *im.SMALL_TILES.values(), *im.LARGE_TILES.values()]))
+    walks = (1, 4) if "WALK" in im._matmul_kernel.arg_names else (1,)
+    print(f"tree {tree}; triton {__import__('triton').__version__}, target sm90")
+    for tile in tiles:
+        for walk in walks:
+            base = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=im.BLOCK_K, GROUP_M=im.GROUP_M, W_KN=False)
+            if len(walks) > 1:
+                base["WALK"] = walk
+            paths = {"pointers": (im._matmul_kernel, dict(base, IEEE=False, TMA=False, x_desc=None, w_desc=None)),
+                     "tma": (im._matmul_kernel, dict(base, IEEE=False, TMA=True)),
+                     "persistent": (im._persistent_matmul_kernel, base)}
+            for path, (kernel, constexprs) in paths.items():
+                try:
+                    print(f"{str(tile):18} WALK {walk} {path:10} {usage(kernel, constexprs, tile)}")
+                except Exception as err:  # ptxas out of registers: a finding, not a stop
+                    fatal = [line for line in str(err).splitlines() if "fatal" in line] or [type(err).__name__]
+                    print(f"{str(tile):18} WALK {walk} {path:10} does not compile: {fatal[0][:120]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
