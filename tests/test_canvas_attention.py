@@ -72,6 +72,18 @@ def run_layer(specs, L, window, heads, kv_heads, head_dim, sliding, kernel, gen_
 # (cached, encoder, canvas) rows: a canvas alone, a commit + canvas, a prompt chunk without a canvas,
 # a first prompt block (nothing cached), a canvas with nothing cached (a padding-like row)
 MIXED = [(9, 0, True), (5, 8, True), (3, 13, False), (0, 8, True), (0, 0, True), (20, 3, True)]
+DENOISE = [(9, 0, True), (20, 0, True), (0, 0, True)]  # a denoising step's rows: canvases after cached prefixes
+
+
+def test_only_a_forward_that_encodes_tokens_has_fresh_sliding_keys():
+    """has_fresh picks the kernel's HAS_FRESH path: off for a denoising step (every prefix key cached, as in the
+    graphs), on where some row encodes tokens this forward."""
+    from fluxlab.models.diffusion_gemma.paged_attention import build_canvas_metadata
+
+    for specs, want in ((DENOISE, False), (MIXED, True)):
+        rows, _ = random_rows(specs, 8, 128, torch.Generator().manual_seed(0))
+        meta = build_canvas_metadata(rows, 8, 11, torch.device("cpu"), masks=False)
+        assert meta.has_fresh is want and bool((meta.fresh_keys >= 0).any()) is want, specs
 
 
 def check_against_torch(L, window, heads, kv_heads, head_dim, sliding, specs=MIXED, seed=0):
@@ -181,6 +193,9 @@ def _interpreter_checks(which: str) -> None:
         check_against_torch(L=8, window=11, heads=2, kv_heads=1, head_dim=512, sliding=sliding, seed=1)
         check_against_torch(L=8, window=5, heads=2, kv_heads=2, head_dim=20, sliding=sliding, seed=2)  # padded D
     check_against_torch(L=4, window=12, heads=2, kv_heads=1, head_dim=64, sliding=True, seed=3)  # window 3 canvases
+    # a denoising forward (canvases only): no fresh keys, so the kernel reads every prefix key from the pool (HAS_FRESH
+    # off, the graphs' path) and the torch path skips its select
+    check_against_torch(L=8, window=11, heads=4, kv_heads=2, head_dim=64, sliding=True, specs=DENOISE, seed=4)
     # small tiles: several query tiles and key blocks a row, blocks straddling the canvas end, skipped blocks
     saved = dict(ca.CONFIGS)
     ca.CONFIGS.update({64: (16, 16, 4, 2), 512: (16, 16, 8, 2)})

@@ -51,7 +51,7 @@ def attention_case(batch: int, kind: str):
     meta = build_canvas_metadata(rows, L, WINDOW, torch.device("cuda"), masks=False)
     args = (q, k, v, cache.k[0], cache.v[0], meta.query_gather, meta.canvas_gather, meta.key_slots[sliding],
             meta.geometry[sliding], meta.window if sliding else 0)
-    fresh = meta.fresh_keys if sliding else None
+    fresh = meta.fresh_keys if sliding and meta.has_fresh else None  # the engine's rule: None in a denoise step
     flops = 4.0 * batch * L * (L + PREFIX) * head_dim * HEADS
     return (lambda: ca.canvas_attention(*args, fresh=fresh)), flops, head_dim
 

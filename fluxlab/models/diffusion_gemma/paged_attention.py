@@ -71,6 +71,7 @@ class CanvasAttentionMetadata:
     write_slots: torch.Tensor  # sliding-pool slots the sliding layers write (a later query sees them)
     write_tokens: torch.Tensor  # their flat token indices
     fresh_keys: torch.Tensor  # [R, K_sliding] flat token index of a sliding prefix key from this forward, -1: cached
+    has_fresh: bool  # some fresh_keys >= 0 (a forward with encoder tokens); False: every prefix key is cached
     canvas_gather: torch.Tensor  # [R, L] flat token index of each row's canvas keys (0 where none)
     query_gather: torch.Tensor  # [R, Q] flat token index of each row's queries (0 = padding)
     query_scatter: torch.Tensor  # [T] index of each flat token in the padded [R * Q] queries
@@ -136,8 +137,9 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
     mask = {sliding: _masks(per_row[:4], key_slots[sliding].shape[1], max_q, L, window, sliding)
             for sliding in (False, True)} if masks else {}
     return CanvasAttentionMetadata(dev(full_write_slots), dev(full_write_tokens), dev(write_slots), dev(write_tokens),
-                                   dev(fresh), dev(canvas_gather), dev(query_gather), dev(np.concatenate(scatter)),
-                                   {s: dev(a) for s, a in key_slots.items()}, mask, geometry, window)
+                                   dev(fresh), bool((fresh >= 0).any()), dev(canvas_gather), dev(query_gather),
+                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()}, mask, geometry,
+                                   window)
 
 
 def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
@@ -187,10 +189,12 @@ class PagedCanvasAttention:
         if self.kernel:
             return self._kernel_forward(meta, sliding, q, k, v, cache_k, cache_v)
         if sliding:  # read first: this forward's writes may reuse a ring slot it reads
-            fresh = (meta.fresh_keys >= 0)[..., None, None]
-            index = meta.fresh_keys.clamp(min=0)
-            prefix_k = torch.where(fresh, k[index], cache_k[slots])
-            prefix_v = torch.where(fresh, v[index], cache_v[slots])
+            prefix_k, prefix_v = cache_k[slots], cache_v[slots]
+            if meta.has_fresh:
+                fresh = (meta.fresh_keys >= 0)[..., None, None]
+                index = meta.fresh_keys.clamp(min=0)
+                prefix_k = torch.where(fresh, k[index], prefix_k)
+                prefix_v = torch.where(fresh, v[index], prefix_v)
             if meta.write_slots.numel():
                 cache_k[meta.write_slots] = k[meta.write_tokens]
                 cache_v[meta.write_slots] = v[meta.write_tokens]
@@ -225,7 +229,7 @@ class PagedCanvasAttention:
             cache_v[meta.full_write_slots] = v[meta.full_write_tokens]
         out = canvas_attention(q, k, v, cache_k, cache_v, meta.query_gather, meta.canvas_gather,
                                meta.key_slots[sliding], meta.geometry[sliding], meta.window if sliding else 0,
-                               fresh=meta.fresh_keys if sliding else None)
+                               fresh=meta.fresh_keys if sliding and meta.has_fresh else None)
         if sliding and meta.write_slots.numel():
             cache_k[meta.write_slots] = k[meta.write_tokens]
             cache_v[meta.write_slots] = v[meta.write_tokens]
