@@ -69,12 +69,16 @@ WALK_ROWS = 1024  # from here one program walks its tile's K-slices (module doc)
 
 if HAVE_TRITON:
     @triton.jit
-    def _chunks(acc, x_ptrs, w_ptrs, x_desc, w_desc, k_lo, k_end, rows, cols, M, N, pid_m, pid_n, stride_xk, stride_wk,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                TMA: tl.constexpr, W_KN: tl.constexpr):
-        # acc + the K-chunks [k_lo, k_end) in order; TMA: tiles through descriptors, x's over [M, K] and w's over
-        # [N, K] or, W_KN, over [K, N] (w.t() contiguous); else the pointers, advanced past the chunks
+    def _chunks(acc, x_ptr, w_ptr, x_desc, w_desc, k_lo, k_end, rows, cols, M, N, pid_m, pid_n, stride_xm, stride_xk,
+                stride_wn, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                IEEE: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr):
+        # acc + the K-chunks [k_lo, k_end) in order. TMA: tiles through descriptors, x's over [M, K] and w's over
+        # [N, K] or, W_KN, over [K, N] (w.t() contiguous); else pointers made here from k_lo (not carried across a
+        # walk's slices: on sm90 the carried pointer tiles spilled)
         offs_k = tl.arange(0, BLOCK_K)
+        if not TMA:
+            x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :].to(tl.int64) * stride_xk
+            w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None].to(tl.int64) * stride_wk
         for k in range(k_lo, k_end, BLOCK_K):
             if TMA:
                 a = x_desc.load([pid_m * BLOCK_M, k])
@@ -92,7 +96,7 @@ if HAVE_TRITON:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        return acc, x_ptrs, w_ptrs
+        return acc
 
     @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
@@ -107,22 +111,18 @@ if HAVE_TRITON:
         pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         k_start = split * k_per_split
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :].to(tl.int64) * stride_xk
-        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None].to(tl.int64) * stride_wk
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if WALK == 1:
-            total, x_ptrs, w_ptrs = _chunks(total, x_ptrs, w_ptrs, x_desc, w_desc, k_start,
-                                            tl.minimum(k_start + k_per_split, K), rows, cols, M, N, pid_m, pid_n,
-                                            stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA, W_KN)
+            total = _chunks(total, x_ptr, w_ptr, x_desc, w_desc, k_start, tl.minimum(k_start + k_per_split, K), rows,
+                            cols, M, N, pid_m, pid_n, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
+                            BLOCK_K, IEEE, TMA, W_KN)
         else:
             for s in range(WALK):
                 k_lo = k_start + s * k_per_split
-                acc, x_ptrs, w_ptrs = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, w_ptrs, x_desc,
-                                              w_desc, k_lo, tl.minimum(k_lo + k_per_split, K), rows, cols, M, N,
-                                              pid_m, pid_n, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                                              TMA, W_KN)
+                acc = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, x_desc, w_desc, k_lo,
+                              tl.minimum(k_lo + k_per_split, K), rows, cols, M, N, pid_m, pid_n, stride_xm, stride_xk,
+                              stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA, W_KN)
                 total += acc  # 0 + acc is acc: an accumulator that starts at +0 never sums to -0
         o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
                   + cols[None, :])
@@ -142,13 +142,13 @@ if HAVE_TRITON:
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             if WALK == 1:
-                total, _, _ = _chunks(total, 0, 0, x_desc, w_desc, 0, K, rows, cols, M, N, pid_m, pid_n, 0, 0,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
+                total = _chunks(total, None, None, x_desc, w_desc, 0, K, rows, cols, M, N, pid_m, pid_n, 0, 0, 0, 0,
+                                BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
             else:
                 for s in range(WALK):
-                    acc, _, _ = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, 0, x_desc, w_desc,
-                                        s * k_per_split, tl.minimum((s + 1) * k_per_split, K), rows, cols, M, N,
-                                        pid_m, pid_n, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
+                    acc = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), None, None, x_desc, w_desc,
+                                  s * k_per_split, tl.minimum((s + 1) * k_per_split, K), rows, cols, M, N, pid_m,
+                                  pid_n, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
                     total += acc
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                      total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
