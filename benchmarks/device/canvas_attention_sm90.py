@@ -27,6 +27,8 @@ DEFAULT_TILES = [(64, 64, 8, 2, 256, True), (128, 64, 8, 1, 256, True), (128, 64
 def resources(kernel, tile: tuple, fresh: bool) -> str:
     block_m, block_n, warps, stages, padded, sliding = tile
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=sliding, HAS_FRESH=fresh, IEEE=False)
+    if "EVEN_D" in kernel.arg_names:  # the 26B head dims are powers of two: the launch's EVEN_D
+        constexprs["EVEN_D"] = True
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:

@@ -132,7 +132,8 @@ if HAVE_TRITON:
                                  stride_query, stride_canvas, stride_slots, stride_fresh, stride_geom, num_slots,
                                  canvas_length, head_dim, group, window, scale_log2,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
-                                 SLIDING: tl.constexpr, HAS_FRESH: tl.constexpr, IEEE: tl.constexpr):
+                                 SLIDING: tl.constexpr, HAS_FRESH: tl.constexpr, IEEE: tl.constexpr,
+                                 EVEN_D: tl.constexpr):
         tile = tl.program_id(0)
         head = tl.program_id(1)
         row = tl.program_id(2).to(tl.int64)
@@ -146,7 +147,10 @@ if HAVE_TRITON:
         i = lo_q + tl.arange(0, BLOCK_M)
         q_ok = i < num_queries
         dims = tl.arange(0, DP)
-        d_ok = dims < head_dim
+        if EVEN_D:  # head_dim == DP: no dims mask (fewer registers and instructions on sm90; the same values)
+            d_ok = dims < DP
+        else:
+            d_ok = dims < head_dim
         token = tl.load(query_ptr + row * stride_query + i, mask=q_ok, other=0).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
                     mask=q_ok[:, None] & d_ok[None, :], other=0.0)
@@ -260,7 +264,8 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
                 query_index.stride(0), canvas_index.stride(0), slots.stride(0), fresh_t.stride(0),
                 geometry.stride(0), num_slots, canvas_length, head_dim, num_heads // num_kv_heads, window,
                 scale * 1.4426950408889634, BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=window > 0,
-                HAS_FRESH=fresh is not None, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                HAS_FRESH=fresh is not None, IEEE=q.dtype == torch.float32, EVEN_D=head_dim == padded,
+                num_warps=warps, num_stages=stages)
         except OutOfResources:  # raised before the launch: nothing ran, try the next smaller tiles
             if is_tall:  # the table's tile, never a smaller key block (other bits)
                 _NO_TALL.add(key)
