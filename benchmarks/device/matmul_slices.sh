@@ -1,7 +1,7 @@
 # K-slices by weight shape for Diffusion-Gemma's bf16 matmuls (benchmarks/device/matmul_slices.py): the sweep (K=1),
 # then the denoising step with the table it picks against none, alternated (D=1, runs "none sliced none sliced" by
-# default; DG_BATCHES, default 1,16). TABLE=file skips the sweep's pick and benches that table. TESTS=1 first runs the GPU
-# tests of the matmul (the walk's kernels) and of the canvas attention (the eager path without fresh keys).
+# default; DG_BATCHES, default 1,16). TABLE=file skips the sweep's pick and benches that table. TESTS=1 first runs
+# the GPU tests of the matmul (the walk's kernels) and of the canvas attention (the eager path without fresh keys).
 if [ "${TESTS:-0}" = 1 ]; then
   timeout ${TTIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings tests/test_canvas_matmul.py \
     tests/test_canvas_attention.py > $OUT/gpu_tests.txt 2>&1
@@ -12,8 +12,8 @@ if [ "${K:-1}" = 1 ]; then
     | tee $OUT/matmul_slices.txt | tail -${KTAIL:-30}
 fi
 table=${TABLE:-$OUT/table.json}
-[ -n "$TABLE" ] || python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))['table'], open(sys.argv[2], 'w'))" \
-  $OUT/matmul_slices.json $table
+[ -n "$TABLE" ] || python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))['table'], \
+  open(sys.argv[2], 'w'))" $OUT/matmul_slices.json $table
 echo "table: $(cat $table)"
 echo '{}' > $OUT/none.json
 if [ "${D:-1}" = 1 ]; then

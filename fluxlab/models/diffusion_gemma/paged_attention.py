@@ -138,8 +138,8 @@ def build_canvas_metadata(rows: list[CanvasRow], canvas_length: int, window: int
             for sliding in (False, True)} if masks else {}
     return CanvasAttentionMetadata(dev(full_write_slots), dev(full_write_tokens), dev(write_slots), dev(write_tokens),
                                    dev(fresh), bool((fresh >= 0).any()), dev(canvas_gather), dev(query_gather),
-                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()}, mask, geometry,
-                                   window)
+                                   dev(np.concatenate(scatter)), {s: dev(a) for s, a in key_slots.items()}, mask,
+                                   geometry, window)
 
 
 def _masks(per_row: torch.Tensor, max_k: int, max_q: int, canvas_length: int, window: int,
