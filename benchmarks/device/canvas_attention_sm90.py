@@ -46,15 +46,21 @@ def resources(kernel, tile: tuple, fresh: bool) -> str:
 
 
 def sm90_usage(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> str:
-    """'REG:n STACK:n shared n SASS n' of `kernel` compiled for sm90 (a ptxas failure raises)."""
+    """'REG:n STACK:n shared n SASS n' of `kernel` compiled for sm90 (a ptxas failure raises). Env PDL=1: with
+    programmatic dependent launch (kernels/pdl.py), as FLUXLAB_PDL=1 launches it."""
     import triton
     from triton.backends.compiler import GPUTarget
+
+    if "PDL" in kernel.arg_names:
+        constexprs = dict(constexprs, PDL=os.environ.get("PDL") == "1")
+        signature = dict(signature, PDL="constexpr")
 
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     # a ptxas failure prints the whole PTX: keep the exception's message, not the listing
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128),
-                                  options=dict(num_warps=warps, num_stages=stages))
+                                  options=dict(num_warps=warps, num_stages=stages,
+                                               launch_pdl=os.environ.get("PDL") == "1"))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 if HAVE_TRITON:
     @triton.jit
@@ -30,11 +31,13 @@ if HAVE_TRITON:
                                 stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh,
                                 stride_table, scale_log2, group, k_scale, v_scale,
                                 BL: tl.constexpr, BM: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr,
-                                PAGES: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                                PAGES: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+                                PDL: tl.constexpr = False):
         # One program: one query block and PACK query heads of one KV head, stacked as PACK * BM rows
         # (head-major), so each key page is loaded once for the heads that share it and the dots are
         # PACK times taller. Each step of the softmax takes PAGES pages' keys (PAGES * BM columns):
         # fewer dependent steps for a program that walks a long context alone.
+        pdl_start(PDL)
         segment = tl.program_id(0)
         first_head = tl.program_id(1) * PACK
         kv_head = first_head // group
@@ -134,5 +137,5 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), page_table.stride(0), scale * 1.4426950408889634, group, k_scale, v_scale,
         BL=bl, BM=block_m, PACK=pack, D=head_dim, PAGES=pages, IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_launch())
     return out

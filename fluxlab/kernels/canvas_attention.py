@@ -31,6 +31,7 @@ import os
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _next_pow2, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 if HAVE_TRITON:
     from triton.runtime.errors import OutOfResources
@@ -133,7 +134,8 @@ if HAVE_TRITON:
                                  canvas_length, head_dim, group, window, scale_log2,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
                                  SLIDING: tl.constexpr, HAS_FRESH: tl.constexpr, IEEE: tl.constexpr,
-                                 EVEN_D: tl.constexpr):
+                                 EVEN_D: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         tile = tl.program_id(0)
         head = tl.program_id(1)
         row = tl.program_id(2).to(tl.int64)
@@ -265,7 +267,7 @@ def canvas_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
                 geometry.stride(0), num_slots, canvas_length, head_dim, num_heads // num_kv_heads, window,
                 scale * 1.4426950408889634, BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=window > 0,
                 HAS_FRESH=fresh is not None, IEEE=q.dtype == torch.float32, EVEN_D=head_dim == padded,
-                num_warps=warps, num_stages=stages)
+                num_warps=warps, num_stages=stages, **pdl_launch())
         except OutOfResources:  # raised before the launch: nothing ran, try the next smaller tiles
             if is_tall:  # the table's tile, never a smaller key block (other bits)
                 _NO_TALL.add(key)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 if HAVE_TRITON:
     from fluxlab.kernels.vocab_stats import lane_finish, lane_update, lanes_start
@@ -49,7 +50,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _max_kernel(raw_ptr, stride, vocab, chunk, temp_ptr, cap, inv_cap, max_ptr, sum_ptr, idx_ptr, num_splits,
-                    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0)
         split = tl.program_id(1)
         start = split * chunk
@@ -71,7 +73,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _probs_kernel(raw_ptr, stride, vocab, chunk, temp_ptr, cap, inv_cap, lse_ptr, probs_ptr, ent_ptr,
-                      noise_ptr, ratio_ptr, sample_ptr, num_splits, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+                      noise_ptr, ratio_ptr, sample_ptr, num_splits, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0)
         split = tl.program_id(1)
         start = split * chunk
@@ -124,7 +128,7 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     part_sum = torch.empty_like(part_max)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=device)
     _max_kernel[(rows, splits)](raw, raw.stride(0), vocab, chunk, temperature, cap, 1.0 / cap, part_max, part_sum,
-                                part_idx, splits, HAS_CAP=bool(softcap), BLOCK=BLOCK)
+                                part_idx, splits, HAS_CAP=bool(softcap), BLOCK=BLOCK, **pdl_launch())
     lse, argmax = _combine_max(part_max, part_sum, part_idx)  # the lowest index wins ties
     probs = torch.empty(rows, vocab, dtype=probs_dtype, device=device)
     part_entropy = torch.empty(rows, splits, dtype=torch.float32, device=device)
@@ -132,7 +136,7 @@ def canvas_stats(raw: torch.Tensor, temperature: torch.Tensor, softcap: float | 
     part_sample = torch.empty(rows, splits, dtype=torch.int32, device=device)
     _probs_kernel[(rows, splits)](raw, raw.stride(0), vocab, chunk, temperature, cap, 1.0 / cap, lse, probs,
                                   part_entropy, noise.contiguous(), part_ratio, part_sample, splits,
-                                  HAS_CAP=bool(softcap), BLOCK=BLOCK)
+                                  HAS_CAP=bool(softcap), BLOCK=BLOCK, **pdl_launch())
     sample, entropy = part_sample[:, 0].long(), part_entropy[:, 0]
     best = part_ratio[:, 0]
     for s in range(1, splits):  # first slice with the largest ratio; entropy summed in slice order

@@ -34,6 +34,7 @@ import torch
 
 from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 from fluxlab.kernels.tile_order import grouped_tile
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
@@ -88,7 +89,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, NUM_GROUPS: tl.constexpr,
-                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         groups = tl.arange(0, NUM_GROUPS)
         cols = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
@@ -101,8 +103,10 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, x_desc, w_desc, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm,
                          stride_wn, stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                         PDL: tl.constexpr = False):
         # TMA: x and w tiles through tensor descriptors (zero fill past M, N and K, as the masks give).
+        pdl_start(PDL)
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -139,9 +143,10 @@ if HAVE_TRITON:
     @triton.jit
     def _persistent_fp8_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xsm, stride_wsn,
                                     stride_om, PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
         # TMA tiles: PROGRAMS programs walk `_fp8_gemm_kernel`'s tiles in its order, each summing the same K-blocks
         # in the same order (kernels/tma.py)
+        pdl_start(PDL)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
@@ -175,7 +180,7 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         _quantize_act_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
                                    NUM_GROUPS=triton.next_power_of_2(num_groups), BLOCK_K=GROUP,
-                                   INTERPRET=_interpret(), num_warps=4)
+                                   INTERPRET=_interpret(), num_warps=4, **pdl_launch())
     return q, s
 
 
@@ -224,11 +229,11 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         _persistent_fp8_gemm_kernel[(grid,)](x_desc, w_desc, xs, scale_inv, out, m, n, k, xs.stride(0),
                                              scale_inv.stride(0), out.stride(0), PROGRAMS=grid, BLOCK_M=block_m,
                                              BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=GROUP_M, num_warps=warps,
-                                             num_stages=stages)
+                                             num_stages=stages, **pdl_launch())
         return out
     grid = (tiles_mn,)
     _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                            weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
                            BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma,
-                           num_warps=warps, num_stages=stages)
+                           num_warps=warps, num_stages=stages, **pdl_launch())
     return out

@@ -32,6 +32,7 @@ from fluxlab.kernels.fp8_gemm import GROUP, quant_tile, quantize_act
 from fluxlab.kernels.fused_norm import _tl_dtype
 from fluxlab.kernels.fused_moe import ACTIVATIONS, combine_slots
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 from fluxlab.kernels.tile_order import grouped_tile
 
 
@@ -64,9 +65,11 @@ if HAVE_TRITON:
                             total_ptr, N, TOPK, H, I, num_pid_m, stride_xm, stride_xsm, stride_we, stride_wn,
                             stride_wse, stride_wsn, stride_om, stride_osm, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                            ACT: tl.constexpr, ROUND_DT: tl.constexpr, INTERPRET: tl.constexpr):
+                            ACT: tl.constexpr, ROUND_DT: tl.constexpr, INTERPRET: tl.constexpr,
+                            PDL: tl.constexpr = False):
         # BLOCK_N == BLOCK_K: a program's columns are one 128-wide group of the intermediate, which its
         # epilogue quantizes for the down GEMM.
+        pdl_start(PDL)
         pid = tl.program_id(0)
         pid_m, pid_n = grouped_tile(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
@@ -121,7 +124,8 @@ if HAVE_TRITON:
     def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
                          N, H, I, num_pid_m, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         pid = tl.program_id(0)
         pid_m, pid_n = grouped_tile(pid, num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
         total = tl.load(total_ptr)
@@ -198,12 +202,12 @@ def fp8_fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
         num_pid_m, xq.stride(0), xs.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0),
         s_gate_up.stride(1), inter_q.stride(0), inter_s.stride(0), BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=GROUP,
         GROUP_M=cfg.GROUP_M, EVEN_K=hidden % GROUP == 0, ACT=ACTIVATIONS[activation], ROUND_DT=_tl_dtype(x.dtype),
-        INTERPRET=_interpret(), num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+        INTERPRET=_interpret(), num_warps=cfg.WARPS1, num_stages=cfg.STAGES1, **pdl_launch())
 
     slot_out = (torch.zeros if foreign_slots else torch.empty)(n_slots, hidden, dtype=x.dtype, device=x.device)
     _fp8_down_kernel[(num_pid_m * triton.cdiv(hidden, cfg.BLOCK_N2),)](
         inter_q, inter_s, w_down, s_down, slot_out, topk_weight, sorted_ids, expert_ids, total, n_slots, hidden, inter,
         num_pid_m, inter_q.stride(0), inter_s.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0),
         s_down.stride(1), slot_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=GROUP, GROUP_M=cfg.GROUP_M,
-        EVEN_K=inter % GROUP == 0, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
+        EVEN_K=inter % GROUP == 0, num_warps=cfg.WARPS2, num_stages=cfg.STAGES2, **pdl_launch())
     return combine_slots(slot_out, top_k, adds, x.dtype, shared_last)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from fluxlab.kernels.moe_align import (HAVE_TRITON, _interpret, _patch_interpreter_for_numpy2,  # noqa: F401
                                        max_padded_rows, moe_align, tl, triton)
 from fluxlab.kernels.moe_config import MoEConfig, default_config
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 from fluxlab.kernels.tile_order import grouped_tile
 
 if HAVE_TRITON:
@@ -113,7 +114,8 @@ if HAVE_TRITON:
                         stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr):
+                        IEEE: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(I, BLOCK_N)
         pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -194,7 +196,8 @@ if HAVE_TRITON:
                      stride_am, stride_we, stride_wn, stride_wk, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SHRINK_M: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr, TMA: tl.constexpr):
+                     IEEE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(H, BLOCK_N)
         pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -226,7 +229,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(slot_ptr, add1_ptr, add2_ptr, out_ptr, H, TOPK: tl.constexpr, NUM_ADDS: tl.constexpr,
-                        SHARED: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+                        SHARED: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < H
@@ -316,7 +320,7 @@ def combine_slots(slot_out: torch.Tensor, top_k: int, adds: tuple = (), out_dtyp
     first, second = (adds + (out, out))[:2]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         slot_out, first, second, out, hidden, TOPK=top_k, NUM_ADDS=len(adds), SHARED=int(shared_last), BLOCK=block,
-        DT=_tl_dtype(out_dtype), num_warps=COMBINE_WARPS)
+        DT=_tl_dtype(out_dtype), num_warps=COMBINE_WARPS, **pdl_launch())
     return out
 
 
@@ -350,7 +354,7 @@ def gate_up_stage(x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Te
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), inter_buf.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K1, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK1,
         EVEN_K=hidden % cfg.BLOCK_K1 == 0, IEEE=x.dtype == torch.float32, TMA=bool(cfg.TMA1),
-        ACT=ACTIVATIONS[activation], num_warps=cfg.WARPS1, num_stages=cfg.STAGES1)
+        ACT=ACTIVATIONS[activation], num_warps=cfg.WARPS1, num_stages=cfg.STAGES1, **pdl_launch())
     return inter_buf
 
 
@@ -372,7 +376,7 @@ def down_stage(inter_buf: torch.Tensor, w_down: torch.Tensor, topk_weight: torch
         inter_buf.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), slot_out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, GROUP_M=cfg.GROUP_M, SHRINK_M=cfg.SHRINK2,
         EVEN_K=inter % cfg.BLOCK_K2 == 0, IEEE=inter_buf.dtype == torch.float32, TMA=bool(cfg.TMA2),
-        num_warps=cfg.WARPS2, num_stages=cfg.STAGES2)
+        num_warps=cfg.WARPS2, num_stages=cfg.STAGES2, **pdl_launch())
     return slot_out
 
 

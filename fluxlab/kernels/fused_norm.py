@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 import torch
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 try:
     import triton
@@ -87,7 +88,8 @@ if HAVE_TRITON:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D, stride_x, stride_r,
                          stride_o, stride_ro, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ROWS: tl.constexpr, DT: tl.constexpr):
+                         ROWS: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         pid = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         dmask = offs < D
@@ -117,10 +119,11 @@ if HAVE_TRITON:
                              stride_t, stride_cs, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                              D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_P: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
-                             HAS_SLOTS: tl.constexpr, DT: tl.constexpr):
+                             HAS_SLOTS: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
         # One program per token, its heads the rows of [BLOCK_H, .] tiles: a program per (token, head)
         # moved 256 bytes and left the kernel launch-bound. Each row is loaded as its two rotary
         # halves and the pass-through rest, so rotate_half pairs tiles instead of gathering.
+        pdl_start(PDL)
         HALF: tl.constexpr = RD // 2
         REST: tl.constexpr = D - RD
         t = tl.program_id(0).to(tl.int64)
@@ -212,7 +215,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block, warps, rows = _norm_launch_params(n, D)
         _rms_norm_kernel[(triton.cdiv(n, rows),)](x2, x2, weight, out, out, n, D, x2.stride(0), 0,
                                                   out.stride(0), 0, float(eps), HAS_RES=False,
-                                                  BLOCK_D=block, ROWS=rows, DT=_tl_dtype(x.dtype), num_warps=warps)
+                                                  BLOCK_D=block, ROWS=rows, DT=_tl_dtype(x.dtype), num_warps=warps,
+                                                  **pdl_launch())
     return out.view(shape)
 
 
@@ -230,7 +234,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         block, warps, rows = _norm_launch_params(n, D)
         _rms_norm_kernel[(triton.cdiv(n, rows),)](x2, r2, weight, out, new_res, n, D, x2.stride(0), r2.stride(0),
                                                   out.stride(0), new_res.stride(0), float(eps), HAS_RES=True,
-                                                  BLOCK_D=block, ROWS=rows, DT=_tl_dtype(x.dtype), num_warps=warps)
+                                                  BLOCK_D=block, ROWS=rows, DT=_tl_dtype(x.dtype), num_warps=warps,
+                                                  **pdl_launch())
     return out.view(shape), new_res.view(shape)
 
 
@@ -301,5 +306,5 @@ def _qk_norm_rope(qkv, positions, q_weight, k_weight, eps, cos_cache, sin_cache,
         float(eps), HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, RD=rotary_dim, BLOCK_H=block_h,
         BLOCK_R=_next_pow2(max(1, rotary_dim // 2)), BLOCK_P=_next_pow2(max(1, head_dim - rotary_dim)),
         HAS_NORM=has_norm, HAS_POS=has_pos, HAS_SLOTS=slots is not None, DT=_tl_dtype(dt),
-        num_warps=QK_WARPS if block_h * head_dim >= 2048 else 1)
+        num_warps=QK_WARPS if block_h * head_dim >= 2048 else 1, **pdl_launch())
     return q

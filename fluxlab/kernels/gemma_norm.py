@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, _next_pow2, _rnd, _tl_dtype, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 if HAVE_TRITON:
     @triton.jit
@@ -43,11 +44,13 @@ if HAVE_TRITON:
     @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, x_heads, stride_xt, stride_xh,
                           stride_o, stride_cs, eps, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                          ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, DT: tl.constexpr):
+                          ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, DT: tl.constexpr,
+                          PDL: tl.constexpr = False):
         # rows r of x (token r // heads); row r sits at (r // x_heads) * stride_xt + (r % x_heads) * stride_xh
         # (a head of a column slice of a fused projection, or a row of a contiguous [n_rows, D]). Each row
         # loaded as its two halves, so the rotation pairs tiles; the sum of squares is half 1 then half 2,
         # the same for every row.
+        pdl_start(PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         i = tl.arange(0, BLOCK)[None, :]
         ok = (rows < n_rows) & (i < HALF)
@@ -73,7 +76,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_residual_kernel(a_ptr, x_ptr, w_post_ptr, w_pre_ptr, w_pre2_ptr, scale_ptr, x_out_ptr, pre_ptr,
-                              pre2_ptr, router_ptr, D, stride, eps, root, BLOCK: tl.constexpr, DT: tl.constexpr):
+                              pre2_ptr, router_ptr, D, stride, eps, root, BLOCK: tl.constexpr, DT: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
@@ -93,7 +98,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _ffn_residual_kernel(d_ptr, r_ptr, x_ptr, w1_ptr, w2_ptr, w_ptr, scalar_ptr, out_ptr, D, stride,
-                             stride_scalar, eps, BLOCK: tl.constexpr, DT: tl.constexpr):
+                             stride_scalar, eps, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
@@ -148,7 +154,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
             x2, weight if weight is not None else x2, cos if rope else x2, sin if rope else x2, out, n, heads,
             x_heads, stride_xt, stride_xh, out.stride(0), cos.stride(0) if rope else 0, float(eps), D=D,
             HALF=D // 2, BLOCK=block, ROWS=rows, HAS_W=weight is not None, HAS_ROPE=rope, DT=_tl_dtype(x.dtype),
-            num_warps=_warps(block * rows))
+            num_warps=_warps(block * rows), **pdl_launch())
     return out.view(x.shape)
 
 
@@ -164,7 +170,7 @@ def attn_residual(a: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_pre:
         block = _next_pow2(D)
         _attn_residual_kernel[(n,)](a, x, w_post, w_pre, w_pre2, router_scale, *outs, D, x.stride(0), float(eps),
                                     float(torch.tensor(router_root, dtype=torch.float32)), BLOCK=block,
-                                    DT=_tl_dtype(x.dtype), num_warps=_warps(block))
+                                    DT=_tl_dtype(x.dtype), num_warps=_warps(block), **pdl_launch())
     return tuple(outs)
 
 
@@ -181,5 +187,6 @@ def ffn_residual(dense: torch.Tensor, routed: torch.Tensor, x: torch.Tensor, w1:
     if n:
         block = _next_pow2(D)
         _ffn_residual_kernel[(n,)](dense, routed, x, w1, w2, w, s, out, D, x.stride(0), 0 if s.numel() == 1 else 1,
-                                   float(eps), BLOCK=block, DT=_tl_dtype(x.dtype), num_warps=_warps(block))
+                                   float(eps), BLOCK=block, DT=_tl_dtype(x.dtype), num_warps=_warps(block),
+                                   **pdl_launch())
     return out

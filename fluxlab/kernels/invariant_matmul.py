@@ -38,6 +38,7 @@ import torch
 
 from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 from fluxlab.kernels.tile_order import grouped_tile
 
 BLOCK_K, GROUP_M = 64, 8  # BLOCK_K is the reduction's chunk: one value, never per shape or row count
@@ -102,8 +103,9 @@ if HAVE_TRITON:
     def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
                        stride_wk, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-                       W_KN: tl.constexpr, WALK: tl.constexpr):
+                       W_KN: tl.constexpr, WALK: tl.constexpr, PDL: tl.constexpr = False):
         # WALK: K-slices this program walks from its own (program_id(1)), each into a fresh accumulator added in order
+        pdl_start(PDL)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -131,9 +133,11 @@ if HAVE_TRITON:
     @triton.jit
     def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_om, PROGRAMS,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr, W_KN: tl.constexpr, WALK: tl.constexpr):
+                                  GROUP_M: tl.constexpr, W_KN: tl.constexpr, WALK: tl.constexpr,
+                                  PDL: tl.constexpr = False):
         # TMA tiles: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each tile its WALK
         # K-slices as `_matmul_kernel` walks them: the same chunks in the same order (kernels/tma.py)
+        pdl_start(PDL)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
@@ -154,8 +158,10 @@ if HAVE_TRITON:
                      total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _sum_slices_kernel(parts_ptr, out_ptr, numel, SLICES: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_slices_kernel(parts_ptr, out_ptr, numel, SLICES: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
         # slice 0, then + slice 1, + slice 2, ... in fp32, rounded once to the output dtype
+        pdl_start(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < numel
         ptrs = parts_ptr + offs
@@ -215,7 +221,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
         grid = tma_tiles.programs(x.device, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
         _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, k_per_split, out.stride(0), PROGRAMS=grid,
                                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-                                           W_KN=w_kn, WALK=walk, num_warps=warps, num_stages=stages)
+                                           W_KN=w_kn, WALK=walk, num_warps=warps, num_stages=stages, **pdl_launch())
         return out
     parts = out if walk == splits else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits // walk)
@@ -223,10 +229,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
                          w.stride(1), parts.stride(0) if parts is not out else 0, parts.stride(-2), BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32,
                          TMA=x_desc is not None, W_KN=w_kn and x_desc is not None, WALK=walk, num_warps=warps,
-                         num_stages=stages)
+                         num_stages=stages, **pdl_launch())
     if parts is not out:
         block = 1024
-        _sum_slices_kernel[(triton.cdiv(M * N, block),)](parts, out, M * N, SLICES=splits, BLOCK=block)
+        _sum_slices_kernel[(triton.cdiv(M * N, block),)](parts, out, M * N, SLICES=splits, BLOCK=block, **pdl_launch())
     return out
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 
 import torch
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 try:
     import triton
@@ -164,7 +165,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _single_chunk_align_kernel(topk_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, N, E,
-                                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr):
+                                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr,
+                                   PDL: tl.constexpr = False):
+        pdl_start(PDL)
         experts = _chunk_experts(topk_ptr, 0, N, E, CHUNK)
         offs_e = tl.arange(0, W)
         counts = tl.where(offs_e < E, tl.histogram(experts, W), 0)
@@ -175,7 +178,9 @@ if HAVE_TRITON:
         _scatter_chunk(experts, start, 0, sorted_ids_ptr, expert_ids_ptr, E, BLOCK_M, CHUNK, W)
 
     @triton.jit
-    def _chunk_hist_kernel(topk_ptr, chunk_counts_ptr, N, E, CHUNK: tl.constexpr, W: tl.constexpr):
+    def _chunk_hist_kernel(topk_ptr, chunk_counts_ptr, N, E, CHUNK: tl.constexpr, W: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        pdl_start(PDL)
         c = tl.program_id(0)
         hist = tl.histogram(_chunk_experts(topk_ptr, c, N, E, CHUNK), W)
         offs_e = tl.arange(0, W)
@@ -183,10 +188,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _chunk_scan_kernel(chunk_counts_ptr, base_ptr, runs_ptr, total_ptr, num_chunks,
-                           BLOCK_M: tl.constexpr, W: tl.constexpr, CB: tl.constexpr):
+                           BLOCK_M: tl.constexpr, W: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr = False):
         # chunk_counts [num_chunks, W] -> base [num_chunks, W], CB chunks at a time; runs [2, W]: each
         # expert's run start and slot count, for the scatter programs to pad (one program writing every
         # padding row took 127 dependent store rounds at BLOCK_M 128: ~26 us of a 2048-token layer).
+        pdl_start(PDL)
         offs_e = tl.arange(0, W)
         counts = tl.zeros([W], dtype=tl.int32)
         for c0 in range(0, num_chunks, CB):
@@ -210,7 +216,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _chunk_scatter_kernel(topk_ptr, base_ptr, runs_ptr, sorted_ids_ptr, expert_ids_ptr, N, E,
-                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr, EPP: tl.constexpr):
+                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr, EPP: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        pdl_start(PDL)
         c = tl.program_id(0)
         base = tl.load(base_ptr + c * W + tl.arange(0, W))
         _scatter_chunk(_chunk_experts(topk_ptr, c, N, E, CHUNK), base, c, sorted_ids_ptr, expert_ids_ptr,
@@ -227,7 +235,8 @@ if HAVE_TRITON:
     # ------------------------------------------------------------------ the previous align (scan)
 
     @triton.jit
-    def _count_kernel(topk_ptr, counts_ptr, N, CH: tl.constexpr):
+    def _count_kernel(topk_ptr, counts_ptr, N, CH: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         e = tl.program_id(0)
         acc = tl.zeros([CH], dtype=tl.int32)
         for c in range(0, N, CH):
@@ -238,7 +247,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _align_kernel(topk_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, N, E,
-                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr):
+                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         e = tl.program_id(0)
         offs_e = tl.arange(0, E_P2)
         cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
@@ -294,18 +304,19 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int, chunk: int
     if n <= chunk:
         _single_chunk_align_kernel[(1,)](flat, sorted_ids, expert_ids, total, n, num_experts,
                                          BLOCK_M=block_m, CHUNK=chunk, W=width,
-                                         num_warps=warps or (4 if chunk <= 1024 else 8))
+                                         num_warps=warps or (4 if chunk <= 1024 else 8), **pdl_launch())
         return sorted_ids, expert_ids, total
     num_chunks = _cdiv(n, chunk)
     chunk_counts = torch.empty(num_chunks, width, dtype=torch.int32, device=flat.device)
     base = torch.empty_like(chunk_counts)
     runs = torch.empty(2, width, dtype=torch.int32, device=flat.device)
-    _chunk_hist_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, CHUNK=chunk, W=width, num_warps=4)
+    _chunk_hist_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, CHUNK=chunk, W=width, num_warps=4,
+                        **pdl_launch())
     _chunk_scan_kernel[(1,)](chunk_counts, base, runs, total, num_chunks, BLOCK_M=block_m, W=width,
-                             CB=min(32, _next_pow2(num_chunks)), num_warps=8)
+                             CB=min(32, _next_pow2(num_chunks)), num_warps=8, **pdl_launch())
     _chunk_scatter_kernel[(num_chunks,)](flat, base, runs, sorted_ids, expert_ids, n, num_experts,
                                          BLOCK_M=block_m, CHUNK=chunk, W=width,
-                                         EPP=_next_pow2(_cdiv(num_experts, num_chunks)), num_warps=4)
+                                         EPP=_next_pow2(_cdiv(num_experts, num_chunks)), num_warps=4, **pdl_launch())
     return sorted_ids, expert_ids, total
 
 
@@ -315,7 +326,7 @@ def moe_align_scan(topk_idx: torch.Tensor, num_experts: int, block_m: int):
     n = flat.numel()
     counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     ch = 1024 if n > 256 else 256
-    _count_kernel[(num_experts,)](flat, counts, n, CH=ch, num_warps=4)
+    _count_kernel[(num_experts,)](flat, counts, n, CH=ch, num_warps=4, **pdl_launch())
     _align_kernel[(num_experts,)](flat, counts, sorted_ids, expert_ids, total, n, num_experts,
-                                  BLOCK_M=block_m, E_P2=_next_pow2(num_experts), CH=ch, num_warps=4)
+                                  BLOCK_M=block_m, E_P2=_next_pow2(num_experts), CH=ch, num_warps=4, **pdl_launch())
     return sorted_ids, expert_ids, total

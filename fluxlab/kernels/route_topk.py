@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _next_pow2, tl, triton  # noqa: F401
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 if HAVE_TRITON:
 
@@ -44,9 +45,10 @@ if HAVE_TRITON:
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, stride_l, scale,
                       G: tl.constexpr, GS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, TOP2: tl.constexpr, SHARED_ID: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, TOP2: tl.constexpr, SHARED_ID: tl.constexpr, PDL: tl.constexpr = False):
         # Every "largest, lowest index on ties" is one max over packed keys (value << 32 | ~index):
         # separate value-max, index-min and score-sum reductions made three reductions a pick.
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         g = tl.arange(0, BLOCK_G)[:, None]
         j = tl.arange(0, BLOCK_GS)[None, :]
@@ -97,8 +99,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _softmax_route_kernel(logits_ptr, scale_ptr, idx_ptr, w_ptr, stride_l, E,
-                              BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr = False):
         # picks by packed keys as `_route_kernel`: the largest probability, the lowest index on ties
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         valid = e < E
@@ -152,7 +156,7 @@ def route_topk_from_logits(logits: torch.Tensor, expert_bias: torch.Tensor | Non
     _route_kernel[(T,)](logits, bias, idx, w, logits.stride(0), float(routed_scaling_factor),
                         G=n_group, GS=gs, BLOCK_G=block_g, BLOCK_GS=block_gs, TOPK_GROUP=topk_group,
                         TOP_K=top_k, BLOCK_K=_next_pow2(top_k), HAS_BIAS=has_bias, TOP2=gs >= 2,
-                        SHARED_ID=-1 if shared_id is None else shared_id, num_warps=ROUTE_WARPS)
+                        SHARED_ID=-1 if shared_id is None else shared_id, num_warps=ROUTE_WARPS, **pdl_launch())
     return idx, w
 
 
@@ -169,5 +173,5 @@ def softmax_topk_from_logits(logits: torch.Tensor, top_k: int, expert_scale: tor
         return w, idx
     _softmax_route_kernel[(T,)](logits, expert_scale.contiguous(), idx, w, logits.stride(0), E,
                                 BLOCK_E=_next_pow2(E), TOP_K=top_k, BLOCK_K=_next_pow2(top_k),
-                                num_warps=ROUTE_WARPS)
+                                num_warps=ROUTE_WARPS, **pdl_launch())
     return w, idx

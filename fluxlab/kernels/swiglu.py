@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _INTERPRETED, _rnd, _tl_dtype, tl, triton  # noqa: F401
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 if HAVE_TRITON:
     from triton.language.extra import libdevice
 
     @triton.jit
     def _gated_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
-                          DT: tl.constexpr, GELU: tl.constexpr):
+                          DT: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < n_cols
@@ -73,5 +75,5 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype | None, 
         block = min(1024, triton.next_power_of_2(n))
         _gated_mul_kernel[(T, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
                                                        DT=_tl_dtype(dtype), GELU=gelu,
-                                                       num_warps=4 if block >= 512 else 1)
+                                                       num_warps=4 if block >= 512 else 1, **pdl_launch())
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
+from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 
 def greedy_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +55,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _stats_kernel(logits_ptr, stride, vocab, chunk, max_ptr, sum_ptr, idx_ptr, num_splits,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0)
         split = tl.program_id(1)
         start = split * chunk
@@ -101,7 +103,7 @@ def _kernel_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     part_sum = torch.empty_like(part_max)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _stats_kernel[(rows, splits)](logits, logits.stride(0), vocab, chunk, part_max, part_sum, part_idx, splits,
-                                  BLOCK=block)
+                                  BLOCK=block, **pdl_launch())
     return part_max, part_sum, part_idx
 
 
