@@ -1,6 +1,6 @@
 # K-slices by weight shape for Diffusion-Gemma's bf16 matmuls (benchmarks/device/matmul_slices.py): the sweep (K=1),
-# then the denoising step with the table it picks against none (D=1, RUNS default "none sliced"; alternate more by
-# default; DG_BATCHES, default 1,16). TABLE=file skips the sweep's pick and benches that table. TESTS=1 first runs
+# then the denoising step with the table it picks against none (D=1; RUNS, default "none sliced", may alternate
+# more; DG_BATCHES, default 1,16). TABLE=file skips the sweep's pick and benches that table. TESTS=1 first runs
 # the GPU tests of the matmul (the walk's kernels) and of the canvas attention (the eager path without fresh keys).
 if [ "${TESTS:-0}" = 1 ]; then
   timeout ${TTIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings tests/test_canvas_matmul.py \
