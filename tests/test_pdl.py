@@ -78,8 +78,8 @@ def test_a_chain_of_kernels_gives_the_same_bits_with_pdl(monkeypatch):
     off = _chain(x, w, norm_w, fp8_w)
     monkeypatch.setattr(pdl, "ENABLED", True)
     pdl._sm90.cache_clear()
-    if not pdl.launch():
-        pytest.skip("PDL needs sm90+")
+    # PDL launches where the GPU has it (sm90+); below, launch() stays empty and the chain runs as without it
+    assert bool(pdl.launch()) == (torch.cuda.get_device_capability()[0] >= 9)
     assert torch.equal(_chain(x, w, norm_w, fp8_w), off)
     static = x.clone()
     _chain(static, w, norm_w, fp8_w)  # warm-up outside the capture

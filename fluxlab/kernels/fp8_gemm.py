@@ -35,7 +35,7 @@ import torch
 from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, tl, triton  # noqa: F401
 from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
-from fluxlab.kernels.tile_order import grouped_tile
+from fluxlab.kernels.tile_order import grouped_tile, tile_span
 
 GROUP = 128  # the activation group and weight block width along K: BLOCK_K must equal it
 # 64-wide output tiles below WIDE_ROWS rows, 128-wide from there: the same bits either way (one wgmma
@@ -107,12 +107,7 @@ if HAVE_TRITON:
                          PDL: tl.constexpr = False):
         # TMA: x and w tiles through tensor descriptors (zero fill past M, N and K, as the masks give).
         pdl_start(PDL)
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_m, pid_n, rows, cols = tile_span(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_k = tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N

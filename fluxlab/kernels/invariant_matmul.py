@@ -39,7 +39,7 @@ import torch
 from fluxlab.kernels import tma as tma_tiles
 from fluxlab.kernels.fused_norm import HAVE_TRITON, _interpret, tl, triton
 from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
-from fluxlab.kernels.tile_order import grouped_tile
+from fluxlab.kernels.tile_order import tile_span
 
 BLOCK_K, GROUP_M = 64, 8  # BLOCK_K is the reduction's chunk: one value, never per shape or row count
 DEFAULT_TILE = (128, 128, 8, 3)  # (BLOCK_M, BLOCK_N, warps, stages)
@@ -106,13 +106,8 @@ if HAVE_TRITON:
                        W_KN: tl.constexpr, WALK: tl.constexpr, PDL: tl.constexpr = False):
         # WALK: K-slices this program walks from its own (program_id(1)), each into a fresh accumulator added in order
         pdl_start(PDL)
-        pid = tl.program_id(0)
+        pid_m, pid_n, rows, cols = tile_span(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         split = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = split * k_per_split
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if WALK == 1:
@@ -138,12 +133,8 @@ if HAVE_TRITON:
         # TMA tiles: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each tile its WALK
         # K-slices as `_matmul_kernel` walks them: the same chunks in the same order (kernels/tma.py)
         pdl_start(PDL)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
-            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS):
+            pid_m, pid_n, rows, cols = tile_span(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             if WALK == 1:
                 total = _chunks(total, None, None, x_desc, w_desc, 0, K, rows, cols, M, N, pid_m, pid_n, 0, 0, 0, 0,

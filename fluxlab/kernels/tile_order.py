@@ -16,5 +16,12 @@ if HAVE_TRITON:
         first_m = (pid // group) * GROUP_M
         size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
         return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+    @triton.jit
+    def tile_span(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """A GEMM's output tile `tile` of [M, N] in grouped order -> (row block, column block, its rows, its
+        columns)."""
+        pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        return pid_m, pid_n, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 else:
-    grouped_tile = None  # a machine without triton imports the kernels' modules, never launches them
+    grouped_tile = tile_span = None  # a machine without triton imports the kernels' modules, never launches them
