@@ -319,13 +319,13 @@ def test_many_query_tiles_take_the_tall_tile_in_half_precision_and_fall_back_to_
 
     assert ca.TALL_FROM_PROGRAMS == 1024  # 16 canvases of 256 queries, 16 heads: 4 x 16 x 16 tiles of 64
     assert call(torch.bfloat16, 15)[:4] == (64, 64, 8, 2)
-    assert call(torch.bfloat16, 16) == (128, 64, 8, 1, 2)  # 256 queries in 2 tiles of 128
+    assert call(torch.bfloat16, 16) == (*ca.TALL_TILES[256], 2)  # 256 queries in 2 tiles of 128
     assert call(torch.float32, 16)[:4] == (64, 64, 8, 2)  # fp32 keeps the table's tile
     monkeypatch.setenv("FLUXLAB_CANVAS_ATTENTION_CONFIG", '{"256": [64, 64, 8, 3]}')
     assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 3)  # a sweep's config is what runs
     monkeypatch.delenv("FLUXLAB_CANVAS_ATTENTION_CONFIG")
     refuse_tall[0] = True
-    assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and launched == [(128, 64, 8, 1, 2)]
+    assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and launched == [(*ca.TALL_TILES[256], 2)]
     launched.clear()
     assert call(torch.bfloat16, 16)[:4] == (64, 64, 8, 2) and not launched  # not tried again
     # the full layers keep theirs

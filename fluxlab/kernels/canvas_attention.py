@@ -48,20 +48,23 @@ else:
 # layout for the softmax's row sums) changed bits against them. fp32 operands take twice the shared memory: on an
 # H200 fp32 at 256 and 512 needs 459 and 271 KiB of the 227 KiB a block may have, so a launch the device refuses
 # steps down (`_smaller`) once per (head dim, dtype, device) and keeps what fitted: still one config per engine,
-# whatever the batch.
+# whatever the batch. The full layers' 512 take 3 stages since EVEN_D dropped the dims mask (fewer spills): one H100,
+# 2026-12-07, the kernel as the denoiser graphs run it (no fresh keys; dg_kernel_probe.py attention), 0.098 -> 0.081 ms
+# a layer at one canvas and 0.837 -> 0.680 at 16, the same bits (the key block is unchanged).
 CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2),
-                                                 128: (64, 64, 4, 2), 256: (64, 64, 8, 2), 512: (64, 32, 8, 2)}
+                                                 128: (64, 64, 4, 2), 256: (64, 64, 8, 2), 512: (64, 32, 8, 3)}
 
 
-# Many query tiles (16 canvases: 1024 programs of 64 queries at 26B-A4B shapes): 128-query tiles at one stage for
-# the sliding layers' head dim, in half precision. The same key blocks in the same order on the same warpgroup MMA,
+# Many query tiles (16 canvases: 1024 programs of 64 queries at 26B-A4B shapes): 128-query tiles for the sliding
+# layers' head dim, in half precision. The same key blocks in the same order on the same warpgroup MMA,
 # so the same bits as the table's tile: equal outputs at 1 and 16 canvases on one H100, 2026-12-07
 # (benchmarks/device/dg_kernel_probe.py attention), and at 1, 2 and 16 with 2 stages in the H200 sweep above.
 # There 0.462 -> 0.346 ms a sliding layer at 16 canvases, but 0.057 -> 0.070 at one (fewer programs than SMs):
 # hence by grid size. The full layers' 512 keep theirs (128-query tiles 4x slower). End to end on that H100 the
 # bf16 denoise step at 16 canvases went 97.2 -> 95.6-95.9 ms; tests/test_canvas_attention.py's tall-tile GPU test
-# checks the bits (docs/benchmarks.md, 2026-12-07, fifth session).
-TALL_TILES: dict[int, tuple[int, int, int, int]] = {256: (128, 64, 8, 1)}
+# checks the bits (docs/benchmarks.md, 2026-12-07, fifth session). Two stages since EVEN_D (no spills at 128 x 64
+# without fresh keys, the graphs' path): 0.339 -> 0.225 ms a sliding layer at 16 canvases on one H100 (eighth session).
+TALL_TILES: dict[int, tuple[int, int, int, int]] = {256: (128, 64, 8, 2)}
 TALL_FROM_PROGRAMS = 1024
 
 
