@@ -50,6 +50,42 @@ def test_pdl_is_off_without_an_sm90_gpu(monkeypatch):
     assert pdl.launch() == {}
 
 
+def test_a_forward_of_more_than_max_tokens_launches_without_pdl(monkeypatch):
+    """16 Diffusion-Gemma canvases (4096 tokens) lost 5% with PDL on an H100, one canvas and LLaDA's decode at batch 1
+    gained: the graph runners' `forward_of` scope decides by the forward's size, and restores on leaving; eager
+    launches outside any scope stay without it."""
+    from fluxlab.kernels import pdl
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "_sm90", lambda: True)
+    on = {"PDL": True, "launch_pdl": True}
+    assert pdl.launch() == {}
+    with pdl.forward_of(pdl.MAX_TOKENS):
+        assert pdl.launch() == on
+        with pdl.forward_of(pdl.MAX_TOKENS + 1):
+            assert pdl.launch() == {}
+            with pdl.forward_of(32):
+                assert pdl.launch() == {}  # inside a large forward's scope
+        assert pdl.launch() == on
+    with pytest.raises(RuntimeError), pdl.forward_of(4096):
+        raise RuntimeError
+    assert pdl.launch() == {}
+    with pdl.forward_of(256):
+        assert pdl.launch() == on
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
+def test_pdl_is_on_by_default_and_fluxlab_pdl_0_turns_it_off(value, enabled):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FLUXLAB_PDL"} | ({"FLUXLAB_PDL": value} if value else {})
+    out = subprocess.run([sys.executable, "-c", "from fluxlab.kernels import pdl; print(pdl.ENABLED)"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(enabled)
+
+
 def _chain(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor, fp8_w: tuple) -> torch.Tensor:
     from fluxlab.kernels.fp8_gemm import fp8_matmul
     from fluxlab.kernels.fused_norm import rms_norm
@@ -75,17 +111,18 @@ def test_a_chain_of_kernels_gives_the_same_bits_with_pdl(monkeypatch):
     w = (torch.randn(4096, 1024, generator=gen, device="cuda") * 0.03).bfloat16()
     norm_w = torch.rand(1024, generator=gen, device="cuda").bfloat16() + 0.5
     fp8_w = quantize_blocks((torch.randn(1024, 2048, generator=gen, device="cuda") * 0.03).bfloat16())
-    off = _chain(x, w, norm_w, fp8_w)
+    off = _chain(x, w, norm_w, fp8_w)  # eager, outside any forward_of scope: no PDL
     monkeypatch.setattr(pdl, "ENABLED", True)
     pdl._sm90.cache_clear()
-    # PDL launches where the GPU has it (sm90+); below, launch() stays empty and the chain runs as without it
-    assert bool(pdl.launch()) == (torch.cuda.get_device_capability()[0] >= 9)
-    assert torch.equal(_chain(x, w, norm_w, fp8_w), off)
-    static = x.clone()
-    _chain(static, w, norm_w, fp8_w)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(static, w, norm_w, fp8_w)
+    with pdl.forward_of(x.shape[0]):
+        # PDL launches where the GPU has it (sm90+); below, launch() stays empty and the chain runs as without it
+        assert bool(pdl.launch()) == (torch.cuda.get_device_capability()[0] >= 9)
+        assert torch.equal(_chain(x, w, norm_w, fp8_w), off)
+        static = x.clone()
+        _chain(static, w, norm_w, fp8_w)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(static, w, norm_w, fp8_w)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -20,6 +20,7 @@ import torch
 from fluxlab.engine.layers.attention import AttentionMetadata
 from fluxlab.engine.layers.segments import Segments
 from fluxlab.engine.staging import mapped_host
+from fluxlab.kernels import pdl
 from fluxlab.kernels.tma import graph_tiles
 
 if TYPE_CHECKING:
@@ -104,7 +105,8 @@ class CapturedForward:
         self.scratch_page = runner.scratch_page
         self.attention.plan(Segments.scratch(segments, self.scratch_page))
         model = runner.model
-        with graph_tiles():  # GEMMs take TMA tiles (kernels/tma.py), compiled in the warm-up
+        # GEMMs take TMA tiles (kernels/tma.py), compiled in the warm-up; PDL by size (kernels/pdl.py)
+        with graph_tiles(), pdl.forward_of(tokens):
             for _ in range(2):  # warm up outside the graph (allocator, lazy inits, Triton JIT)
                 self.attention.copy_plan_in()
                 model(self.input_ids, self.positions, self.attention)

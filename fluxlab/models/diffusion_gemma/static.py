@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fluxlab.kernels import pdl
 from fluxlab.kernels.tma import graph_tiles
 from fluxlab.models.diffusion_gemma.paged_attention import CanvasKVCache
 from fluxlab.models.diffusion_gemma.request import CanvasRequest
@@ -158,7 +159,8 @@ class StaticDenoiser:
         self.generators = [torch.Generator(device=device) for _ in range(rows)]  # the graph's draw slots
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         if capture:
-            with graph_tiles():  # GEMMs take TMA tiles (kernels/tma.py), compiled in the warm-up
+            # GEMMs take TMA tiles (kernels/tma.py), compiled in the warm-up; PDL by size (kernels/pdl.py)
+            with graph_tiles(), pdl.forward_of(rows * (encoder_tokens + L)):
                 for _ in range(2):  # warm up outside the graph (allocator, lazy inits, kernels)
                     self._step(self.generators)
                 torch.cuda.synchronize(device)
