@@ -32,7 +32,7 @@ SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192): 5, 
 CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x64": (128, 64, 64, 4, 4),
            "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "128x128k128": (128, 128, 128, 8, 3),
            "128x128s4": (128, 128, 64, 8, 4), "64x32": (64, 32, 64, 4, 4),
-           "cublas": None}  # torch's x @ w.T: not batch-invariant (split-K by rows), the headroom it shows; never "best"
+           "cublas": None}  # torch's x @ w.T: not batch-invariant (split-K by rows); the headroom, never "best"
 ROWS = tuple(int(r) for r in os.environ.get("ROWS", "256,4096").split(","))
 # model.quantization=fp8: (N, K) count per step; configs (BLOCK_M, BLOCK_N, warps, stages), 64+ rows (wgmma)
 FP8_SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192): 5, (2112, 2816): 62,
@@ -103,7 +103,8 @@ def main():
         print(f"  {name:>12}: " + " / ".join(f"{totals[(name, m)]:.2f}" for m in ROWS))
     best = {}
     for (n, k), count in shapes.items():
-        best[f"{n}x{k}"] = min((c for c in configs if configs[c] is not None), key=lambda c: sum(count * results[f"{n}x{k}@{m}/{c}"]["ms"] for m in ROWS))
+        ours = (c for c in configs if configs[c] is not None)
+        best[f"{n}x{k}"] = min(ours, key=lambda c: sum(count * results[f"{n}x{k}@{m}/{c}"]["ms"] for m in ROWS))
     print("best config per shape (256 + 4096 rows):", best)
     if args:
         json.dump({"results": results, "best": best}, open(args[0], "w"), indent=1)

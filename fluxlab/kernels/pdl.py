@@ -14,9 +14,9 @@ Eager launches stay without it (not measured). FLUXLAB_PDL=0 turns it off (A/B r
 kernels compile and launch as without it). Never under the Triton interpreter (the CPU tests) or below sm90. One H100,
 2026-12-07 (benchmarks/device/pdl.sh and diffusion_gemma_speed.sh; docs/benchmarks.md): LLaDA2.0-mini's fp8 decode
 at batch 1 (32 tokens) 2.66 -> 2.49 ms, at batch 64 (2048) unchanged; Diffusion-Gemma's bf16 denoising step at one
-canvas (256 tokens) 23.24 -> 22.62 ms, but at 16 canvases (4096) 96.6 -> 101.7 ms (likely the dependent grid's blocks,
-parked in their wait, taking SM room the running grid's later waves want): hence the size cap. The same bits with and without
-(tests/test_pdl.py; the GPU tests of the FP8, matmul and norm kernels with it on).
+canvas (256 tokens) 23.24 -> 22.62 ms, but at 16 canvases (4096) 96.6 -> 101.7 ms (likely the dependent grid's
+blocks, parked in their wait, taking SM room the running grid's later waves want): hence the size cap. The same bits
+with and without (tests/test_pdl.py; the GPU tests of the FP8, matmul and norm kernels with it on).
 """
 from __future__ import annotations
 
