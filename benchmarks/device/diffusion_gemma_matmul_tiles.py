@@ -32,6 +32,11 @@ SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192): 5, 
 CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x64": (128, 64, 64, 4, 4),
            "64x64": (64, 64, 64, 4, 4), "128x256": (128, 256, 64, 8, 3), "128x128k128": (128, 128, 128, 8, 3),
            "128x128s4": (128, 128, 64, 8, 4), "64x32": (64, 32, 64, 4, 4),
+           # TMA descriptors as inside a graph (kernels/tma.py), and Triton's warp specialization of the K loop
+           # (a TMA producer warp beside the 4-warp MMA group; sm90 compiles it for 4-warp tiles, triton 3.6)
+           "64x64 tma": (64, 64, 64, 4, 4, True), "64x64 ws": (64, 64, 64, 4, 4, True, True),
+           "64x128 tma": (64, 128, 64, 4, 4, True), "64x128 ws": (64, 128, 64, 4, 4, True, True),
+           "64x32 ws": (64, 32, 64, 4, 4, True, True), "128x128w4 ws": (128, 128, 64, 4, 3, True, True),
            "cublas": None}  # torch's x @ w.T: not batch-invariant (split-K by rows); the headroom, never "best"
 ROWS = tuple(int(r) for r in os.environ.get("ROWS", "256,4096").split(","))
 # model.quantization=fp8: (N, K) count per step; configs (BLOCK_M, BLOCK_N, warps, stages), 64+ rows (wgmma)
@@ -51,14 +56,20 @@ if os.environ.get("SHAPESET") == "llada":
 def run(x, w, cfg):
     if cfg is None:
         return x @ w.t()
-    bm, bn, bk, warps, stages = cfg
+    bm, bn, bk, warps, stages, tma, ws = (*cfg, False, False)[:7]
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), 1)
-    im._matmul_kernel[grid](x, w, None, None, out, M, N, K, -(-K // bk) * bk, x.stride(0), x.stride(1), w.stride(0),
-                            w.stride(1), 0, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=im.GROUP_M,
-                            IEEE=False, TMA=False, W_KN=False, WALK=1, num_warps=warps, num_stages=stages)
+    x_desc = w_desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc, w_desc = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk])
+    im._matmul_kernel[grid](x, w, x_desc, w_desc, out, M, N, K, -(-K // bk) * bk, x.stride(0), x.stride(1),
+                            w.stride(0), w.stride(1), 0, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                            GROUP_M=im.GROUP_M, IEEE=False, TMA=tma, W_KN=False, WALK=1, WS=ws, num_warps=warps,
+                            num_stages=stages)
     return out
 
 

@@ -51,11 +51,13 @@ def main(argv: list[str]) -> None:
             base = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=im.BLOCK_K, GROUP_M=im.GROUP_M, W_KN=False)
             if len(walks) > 1:
                 base["WALK"] = walk
+            if "WS" in im._matmul_kernel.arg_names:
+                base["WS"] = False
             # the launch's unit strides (x and w rows contiguous along K) are specialized as the constant 1
             paths = {"pointers": (im._matmul_kernel, dict(base, IEEE=False, TMA=False, x_desc=None, w_desc=None,
                                                           stride_xk=1, stride_wk=1)),
                      "tma": (im._matmul_kernel, dict(base, IEEE=False, TMA=True)),
-                     "persistent": (im._persistent_matmul_kernel, base)}
+                     "persistent": (im._persistent_matmul_kernel, {k: v for k, v in base.items() if k != "WS"})}
             for path, (kernel, constexprs) in paths.items():
                 try:
                     print(f"{str(tile):18} WALK {walk} {path:10} {usage(kernel, constexprs, tile)}")

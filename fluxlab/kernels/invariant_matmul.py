@@ -72,7 +72,10 @@ if HAVE_TRITON:
     @triton.jit
     def _chunks(acc, x_ptr, w_ptr, x_desc, w_desc, k_lo, k_end, rows, cols, M, N, pid_m, pid_n, stride_xm, stride_xk,
                 stride_wn, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                IEEE: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr):
+                IEEE: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr, WS: tl.constexpr = False):
+        # WS (TMA, 4-warp tiles): Triton's warp specialization of the loop, a load warp beside the MMA warps -- the
+        # same chunks in the same order; a candidate the tile sweep (diffusion_gemma_matmul_tiles.py) times, no
+        # launch here sets it yet.
         # acc + the K-chunks [k_lo, k_end) in order. TMA: tiles through descriptors, x's over [M, K] and w's over
         # [N, K] or, W_KN, over [K, N] (w.t() contiguous); else pointers made here from k_lo (not carried across a
         # walk's slices: on sm90 the carried pointer tiles spilled)
@@ -80,7 +83,7 @@ if HAVE_TRITON:
         if not TMA:
             x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :].to(tl.int64) * stride_xk
             w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None].to(tl.int64) * stride_wk
-        for k in range(k_lo, k_end, BLOCK_K):
+        for k in tl.range(k_lo, k_end, BLOCK_K, warp_specialize=WS):
             if TMA:
                 a = x_desc.load([pid_m * BLOCK_M, k])
                 if W_KN:
@@ -103,7 +106,7 @@ if HAVE_TRITON:
     def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
                        stride_wk, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-                       W_KN: tl.constexpr, WALK: tl.constexpr, PDL: tl.constexpr = False):
+                       W_KN: tl.constexpr, WALK: tl.constexpr, WS: tl.constexpr = False, PDL: tl.constexpr = False):
         # WALK: K-slices this program walks from its own (program_id(1)), each into a fresh accumulator added in order
         pdl_start(PDL)
         pid_m, pid_n, rows, cols = tile_span(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -113,7 +116,7 @@ if HAVE_TRITON:
         if WALK == 1:
             total = _chunks(total, x_ptr, w_ptr, x_desc, w_desc, k_start, tl.minimum(k_start + k_per_split, K), rows,
                             cols, M, N, pid_m, pid_n, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
-                            BLOCK_K, IEEE, TMA, W_KN)
+                            BLOCK_K, IEEE, TMA, W_KN, WS)
         else:
             for s in range(WALK):
                 k_lo = k_start + s * k_per_split
