@@ -100,6 +100,9 @@ def main():
                     print(f"{name} at {n}x{k}: {type(err).__name__}: {str(err)[:100]}")
                 results[f"{n}x{k}@{m}/{name}"] = {"ms": ms, "same_bits": same}
                 totals[(name, m)] += count * ms
+            # a line a shape as it finishes: a sweep the call's timeout cuts still leaves what it timed
+            print(f"{n}x{k}@{m}: " + ", ".join(f"{c} {results[f'{n}x{k}@{m}/{c}']['ms'] * 1e3:.1f}"
+                                               for c in configs), flush=True)
     print(f"\n{'shape':>14} {'rows':>5} " + " ".join(f"{c:>12}" for c in configs))
     for (n, k) in shapes:
         for m in ROWS:
