@@ -45,7 +45,11 @@ FP8_SHAPES = {(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 8192):
 FP8_CONFIGS = {"default": (64, 128, 4, 4), "64x64": (64, 64, 4, 4), "128x64": (128, 64, 4, 4),
                "128x128": (128, 128, 8, 3), "128x128w4": (128, 128, 4, 3), "64x256": (64, 256, 8, 3),
                "128x256": (128, 256, 8, 3), "64x64s3": (64, 64, 4, 3), "64x32": (64, 32, 4, 4),
-               "64x32s6": (64, 32, 4, 6), "32x64 (mma.sync)": (32, 64, 4, 4)}
+               "64x32s6": (64, 32, 4, 6), "32x64 (mma.sync)": (32, 64, 4, 4),
+               # TMA, and TMA with warp specialization (the 7th field), per-tile grid (6th: not persistent)
+               "64x64s6 tma": (64, 64, 4, 6, True), "64x64s6 ws": (64, 64, 4, 6, True, False, True),
+               "64x128 tma": (64, 128, 4, 4, True), "64x128 ws": (64, 128, 4, 4, True, False, True),
+               "64x128s3 ws": (64, 128, 4, 3, True, False, True)}
 # SHAPESET=llada: LLaDA2.0-mini's FP8 GEMMs a forward (the fused q/k/v and the attention output of 20 layers,
 # layer 0's dense MLP; the shared experts ride the fused MoE), ROWS default 32 (batch 1) and 2048 (batch 64)
 if os.environ.get("SHAPESET") == "llada":

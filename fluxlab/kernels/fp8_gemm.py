@@ -104,8 +104,10 @@ if HAVE_TRITON:
     def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, x_desc, w_desc, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm,
                          stride_wn, stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                         PDL: tl.constexpr = False):
-        # TMA: x and w tiles through tensor descriptors (zero fill past M, N and K, as the masks give).
+                         WS: tl.constexpr = False, PDL: tl.constexpr = False):
+        # TMA: x and w tiles through tensor descriptors (zero fill past M, N and K, as the masks give). WS (TMA only:
+        # the pointer path fails Triton's warp specialization pass): a load warp beside the MMA warps, the same
+        # K-blocks in the same order; the tile sweep's candidate (benchmarks/device/diffusion_gemma_matmul_tiles.py).
         pdl_start(PDL)
         pid_m, pid_n, rows, cols = tile_span(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_k = tl.arange(0, BLOCK_K)
@@ -116,7 +118,7 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WS):
             if TMA:
                 a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
@@ -191,9 +193,10 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
                out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] (or its `quantize_act` pair, to share one quantization between GEMMs: then out_dtype
     is required) @ dequant(weight [N, K], scale_inv [ceil(N/128), ceil(K/128)]).T -> [M, N] in
-    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma[, persistent]]) instead of the
+    out_dtype (default x.dtype). tiles: (BLOCK_M, BLOCK_N, warps, stages[, tma[, persistent[, ws]]]) instead of the
     module's tile choice, `tma.graph_tiles()` and `tma.persistent` (benchmarks only: a config whose bits differ would
-    give up batch invariance)."""
+    give up batch invariance); ws: warp specialization of the per-tile kernel's TMA loop (a candidate no launch in the
+    engine sets yet)."""
     if not HAVE_TRITON:
         raise RuntimeError("fp8_matmul needs triton")
     if isinstance(x, tuple):
@@ -204,8 +207,8 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
         xq, xs = quantize_act(x)
     m, k = xq.shape
     n, k_w = weight.shape
-    block_m, block_n, warps, stages, tma, persistent = (*tiles, 0, False)[:6] if tiles else (
-        *tile_for(m, n, k), tma_tiles.wanted("fp8_gemm"), tma_tiles.persistent("fp8_gemm", m))
+    block_m, block_n, warps, stages, tma, persistent, ws = (*tiles, 0, False, False)[:7] if tiles else (
+        *tile_for(m, n, k), tma_tiles.wanted("fp8_gemm"), tma_tiles.persistent("fp8_gemm", m), False)
     assert k == k_w and scale_inv.shape == (-(-n // GROUP), -(-k // GROUP)), (xq.shape, weight.shape, scale_inv.shape)
     assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, (weight.dtype, scale_inv.dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -229,6 +232,6 @@ def fp8_matmul(x: torch.Tensor | tuple, weight: torch.Tensor, scale_inv: torch.T
     grid = (tiles_mn,)
     _fp8_gemm_kernel[grid](xq, xs, weight, x_desc, w_desc, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                            weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma,
+                           BLOCK_K=GROUP, GROUP_M=GROUP_M, EVEN_K=k % GROUP == 0, TMA=tma, WS=bool(ws) and tma,
                            num_warps=warps, num_stages=stages, **pdl_launch())
     return out
