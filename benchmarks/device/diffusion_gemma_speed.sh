@@ -5,7 +5,7 @@
 # and 16 (diffusion_gemma_profile.py); D: fluxlab.bench.canvas with graphs, the baseline tree (.base: a
 # `git archive` of the commit before this round; BASE="dir1 dir2" names others) then this tree, in one call
 # (DG_BATCHES, default 1,16; QUANT=fp8 for model.quantization=fp8; PROMPT_TOKENS, default 256); T: the
-# invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py); M: the fused MoE's tile sweep at 1 and 16
+# invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py; T_ARGS=--fp8 for the FP8 GEMM's); M: the fused MoE's tile sweep at 1 and 16
 # canvases with the bit check a per-batch config needs (diffusion_gemma_moe_tiles.py). Outputs under $OUT.
 # Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
 #   sweeps pyproject.toml setup.py | tar -x -C .base ; echo /.base/ >> .git/info/exclude
@@ -61,7 +61,8 @@ if [[ $STEPS == *D* ]]; then
 fi
 if [[ $STEPS == *T* ]]; then
   t "T: matmul tile sweep"
-  timeout ${T_TIMEOUT:-120} python3 benchmarks/device/diffusion_gemma_matmul_tiles.py "$OUT/dg_tiles.json" > "$OUT/dg_tiles.log" 2>&1
+  timeout ${T_TIMEOUT:-120} python3 benchmarks/device/diffusion_gemma_matmul_tiles.py $T_ARGS "$OUT/dg_tiles.json" \
+    > "$OUT/dg_tiles.log" 2>&1
   echo "T exit $?"; grep -v "^\[" "$OUT/dg_tiles.log" | tail -40 | cut -c1-200
 fi
 if [[ $STEPS == *M* ]]; then
