@@ -6,7 +6,8 @@
 # `git archive` of the commit before this round; BASE="dir1 dir2" names others) then this tree, in one call
 # (DG_BATCHES, default 1,16; QUANT=fp8 for model.quantization=fp8; PROMPT_TOKENS, default 256); T: the
 # invariant matmul's tile sweep (diffusion_gemma_matmul_tiles.py; T_ARGS=--fp8 for the FP8 GEMM's); M: the fused
-# MoE's tile sweep at 1 and 16 canvases with the bit check a per-batch config needs (diffusion_gemma_moe_tiles.py). Outputs under $OUT.
+# MoE's tile sweep at 1 and 16 canvases with the bit check a per-batch config needs (diffusion_gemma_moe_tiles.py).
+# Outputs under $OUT.
 # Make .base here first (git-excluded): mkdir .base && git archive a284468 fluxlab conf hydra_plugins recipes \
 #   sweeps pyproject.toml setup.py | tar -x -C .base ; echo /.base/ >> .git/info/exclude
 # ~8-9 min with all steps: STEPS=ABD (the default ABCD adds the profile) keeps one call under 600 s.
