@@ -37,6 +37,9 @@ CONFIGS = {"default": (128, 128, 64, 8, 3), "64x128": (64, 128, 64, 4, 4), "128x
            "64x64 tma": (64, 64, 64, 4, 4, True), "64x64 ws": (64, 64, 64, 4, 4, True, True),
            "64x128 tma": (64, 128, 64, 4, 4, True), "64x128 ws": (64, 128, 64, 4, 4, True, True),
            "64x32 ws": (64, 32, 64, 4, 4, True, True), "128x128w4 ws": (128, 128, 64, 4, 3, True, True),
+           # one canvas's 256 rows in one row tile: each weight tile read once (sm90 offline: no spills)
+           "256x32 tma": (256, 32, 64, 8, 4, True), "256x64 tma": (256, 64, 64, 8, 3, True),
+           "128x32 tma": (128, 32, 64, 4, 4, True),
            "cublas": None}  # torch's x @ w.T: not batch-invariant (split-K by rows); the headroom, never "best"
 ROWS = tuple(int(r) for r in os.environ.get("ROWS", "256,4096").split(","))
 # model.quantization=fp8: (N, K) count per step; configs (BLOCK_M, BLOCK_N, warps, stages), 64+ rows (wgmma)
