@@ -75,7 +75,7 @@ def run(x, w, cfg):
         x_desc, w_desc = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk])
     im._matmul_kernel[grid](x, w, x_desc, w_desc, out, M, N, K, -(-K // bk) * bk, x.stride(0), x.stride(1),
                             w.stride(0), w.stride(1), 0, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            GROUP_M=im.GROUP_M, IEEE=False, TMA=tma, W_KN=False, WALK=1, WS=ws, num_warps=warps,
+                            GROUP_M=im.GROUP_M, IEEE=False, TMA=tma, W_KN=False, WS=ws, num_warps=warps,
                             num_stages=stages)
     return out
 

@@ -1,11 +1,11 @@
 """The batch-invariant matmul's sm90 resources without a GPU (kernels/invariant_matmul.py): registers, stack (spills),
-shared memory and SASS instructions of each launch path at a tile, for a number of K-slices a program walks.
+shared memory and SASS instructions of each launch path at a tile.
 
 Paths: `pointers` (eager calls: `_matmul_kernel` with pointer loads), `tma` (inside a graph's warm-up and capture,
-below PERSISTENT_ROWS rows: the same kernel on TMA descriptors), `persistent` (from PERSISTENT_ROWS rows). WALK 1 is
-a program's own slice (every product today), WALK > 1 the slices one program walks from WALK_ROWS rows
-(SHAPE_SLICES). Compiled as canvas_attention_sm90.py does (Triton's CUDA backend on the CPU machine, the launch's
-divisibility-by-16 specialization); the Triton here may not be the device image's.
+below PERSISTENT_ROWS rows: the same kernel on TMA descriptors), `tma ws` (that path with warp specialization, the
+tile sweep's candidate), `persistent` (from PERSISTENT_ROWS rows). Compiled as canvas_attention_sm90.py does
+(Triton's CUDA backend on the CPU machine, the launch's divisibility-by-16 specialization); the Triton here may not
+be the device image's. An older TREE's kernels compile as that tree launched them (its WALK, if any, at 1).
 Usage: python3 benchmarks/device/matmul_sm90.py [TREE] [BM,BN,WARPS,STAGES ...] (TREE: a directory holding a fluxlab/,
 default this checkout; default tiles: the tables' tiles)
 """
@@ -44,26 +44,25 @@ def main(argv: list[str]) -> None:
     im = importlib.import_module("fluxlab.kernels.invariant_matmul")
     tiles = [tuple(int(v) for v in arg.split(",")) for arg in argv if arg[0].isdigit()] or list(dict.fromkeys(
         [im.DEFAULT_TILE, *im.SMALL_TILES.values(), *im.LARGE_TILES.values()]))
-    walks = (1, 4) if "WALK" in im._matmul_kernel.arg_names else (1,)
     print(f"tree {tree}; triton {__import__('triton').__version__}, target sm90")
+    names = im._matmul_kernel.arg_names
     for tile in tiles:
-        for walk in walks:
-            base = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=im.BLOCK_K, GROUP_M=im.GROUP_M, W_KN=False)
-            if len(walks) > 1:
-                base["WALK"] = walk
-            if "WS" in im._matmul_kernel.arg_names:
-                base["WS"] = False
-            # the launch's unit strides (x and w rows contiguous along K) are specialized as the constant 1
-            paths = {"pointers": (im._matmul_kernel, dict(base, IEEE=False, TMA=False, x_desc=None, w_desc=None,
-                                                          stride_xk=1, stride_wk=1)),
-                     "tma": (im._matmul_kernel, dict(base, IEEE=False, TMA=True)),
-                     "persistent": (im._persistent_matmul_kernel, {k: v for k, v in base.items() if k != "WS"})}
-            for path, (kernel, constexprs) in paths.items():
-                try:
-                    print(f"{str(tile):18} WALK {walk} {path:10} {usage(kernel, constexprs, tile)}")
-                except Exception as err:  # ptxas out of registers: a finding, not a stop
-                    fatal = [line for line in str(err).splitlines() if "fatal" in line] or [type(err).__name__]
-                    print(f"{str(tile):18} WALK {walk} {path:10} does not compile: {fatal[0][:120]}")
+        base = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=im.BLOCK_K, GROUP_M=im.GROUP_M, W_KN=False)
+        own = dict(base, **{name: value for name, value in (("WALK", 1), ("WS", False)) if name in names})
+        persistent = dict(base, **({"WALK": 1} if "WALK" in im._persistent_matmul_kernel.arg_names else {}))
+        # the launch's unit strides (x and w rows contiguous along K) are specialized as the constant 1
+        paths = {"pointers": (im._matmul_kernel, dict(own, IEEE=False, TMA=False, x_desc=None, w_desc=None,
+                                                      stride_xk=1, stride_wk=1)),
+                 "tma": (im._matmul_kernel, dict(own, IEEE=False, TMA=True)),
+                 "persistent": (im._persistent_matmul_kernel, persistent)}
+        if "WS" in names:
+            paths["tma ws"] = (im._matmul_kernel, dict(own, IEEE=False, TMA=True, WS=True))
+        for path, (kernel, constexprs) in paths.items():
+            try:
+                print(f"{str(tile):18} {path:10} {usage(kernel, constexprs, tile)}")
+            except Exception as err:  # ptxas out of registers: a finding, not a stop
+                fatal = [line for line in str(err).splitlines() if "fatal" in line] or [type(err).__name__]
+                print(f"{str(tile):18} {path:10} does not compile: {fatal[0][:120]}")
 
 
 if __name__ == "__main__":

@@ -13,15 +13,14 @@ leaves most SMs idle). No tile of the H200 sweeps (2026-12-03/04, up to 11 confi
 rows among 2048 and 16384 (default tiles). Every tile has 64+ rows, the range the sweeps checked: on
 sm90 a 16- or 32-row tile takes another MMA instruction (not warpgroup MMA), and the canvas
 attention's sweep of 2026-12-04 saw 32-row query tiles change bits against 64-row ones (cause not
-isolated: that instruction, or its row sums' reduction layout). Products with a long reduction (and the
-weights of SHAPE_SLICES) are cut into a number of K-slices fixed by the weight (`splits_for`). Below WALK_ROWS rows
-each slice is a program of its own (a canvas's narrow product fills the SMs) and `_sum_slices_kernel` adds their fp32
-partials in slice order, elementwise; from WALK_ROWS rows one program walks a SHAPE_SLICES product's slices in order,
-each into a fresh accumulator added to the tile's running total (no fp32 round trip through memory). Both are
-((slice 0 + slice 1) + slice 2) ..., so the same bits: never a number that depends on the rows.
+isolated: that instruction, or its row sums' reduction layout). Products with a long reduction are
+cut into a number of K-slices fixed by K (`splits_for`), whose fp32 partials `_sum_slices_kernel` adds
+in slice order, elementwise: never a number that depends on the rows.
 
-(Slicing narrow weights by shape, with a large batch's slices walked by one program without TMA or persistent
-launches, was measured on an H200 on 2026-12-04: -0.9 ms a step at batch 1, +7 ms at batch 16; docs/benchmarks.md.)
+(Slicing narrow weights by shape too, a canvas's slices as programs and a large batch's walked by one program -- the
+same sums -- was measured twice and dropped: H200 2026-12-04, -0.9 ms a step at batch 1, +7 ms at batch 16; H100
+2026-12-07 with TMA/persistent walks, within noise end to end, every shape but the router slower at 4096 rows.
+docs/benchmarks.md; the code: git show 7d9a187:fluxlab/kernels/invariant_matmul.py.)
 
 Inside `tma.graph_tiles()` (a CUDA graph's warm-up and capture, kernels/tma.py), where FLUXLAB_TMA names "matmul"
 (the default), the x and w tiles come through TMA descriptors on sm90+: the same chunks in the same
@@ -63,10 +62,6 @@ LARGE_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
 # call per tile and 11.2-14.0 persistent (one H100, 2026-12-07).
 PERSISTENT_MAX_N = 65536
 SLICE_K = 16384  # K-slice length of a long reduction (262144 -> 16 slices)
-# K-slices by weight shape (N, K), the same at every row count (batch invariance); benchmarks/device/matmul_slices.py
-# times each candidate at one and sixteen canvases.
-SHAPE_SLICES: dict[tuple[int, int], int] = {}
-WALK_ROWS = 1024  # from here one program walks its tile's K-slices (module doc)
 
 if HAVE_TRITON:
     @triton.jit
@@ -77,8 +72,7 @@ if HAVE_TRITON:
         # same chunks in the same order; a candidate the tile sweep (diffusion_gemma_matmul_tiles.py) times, no
         # launch here sets it yet.
         # acc + the K-chunks [k_lo, k_end) in order. TMA: tiles through descriptors, x's over [M, K] and w's over
-        # [N, K] or, W_KN, over [K, N] (w.t() contiguous); else pointers made here from k_lo (not carried across a
-        # walk's slices: on sm90 the carried pointer tiles spilled)
+        # [N, K] or, W_KN, over [K, N] (w.t() contiguous); else pointers from k_lo
         offs_k = tl.arange(0, BLOCK_K)
         if not TMA:
             x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :].to(tl.int64) * stride_xk
@@ -106,48 +100,30 @@ if HAVE_TRITON:
     def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
                        stride_wk, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-                       W_KN: tl.constexpr, WALK: tl.constexpr, WS: tl.constexpr = False, PDL: tl.constexpr = False):
-        # WALK: K-slices this program walks from its own (program_id(1)), each into a fresh accumulator added in order
+                       W_KN: tl.constexpr, WS: tl.constexpr = False, PDL: tl.constexpr = False):
+        # program_id(1): the K-slice this program sums
         pdl_start(PDL)
         pid_m, pid_n, rows, cols = tile_span(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         split = tl.program_id(1)
         k_start = split * k_per_split
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if WALK == 1:
-            total = _chunks(total, x_ptr, w_ptr, x_desc, w_desc, k_start, tl.minimum(k_start + k_per_split, K), rows,
-                            cols, M, N, pid_m, pid_n, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
-                            BLOCK_K, IEEE, TMA, W_KN, WS)
-        else:
-            for s in range(WALK):
-                k_lo = k_start + s * k_per_split
-                acc = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, x_desc, w_desc, k_lo,
-                              tl.minimum(k_lo + k_per_split, K), rows, cols, M, N, pid_m, pid_n, stride_xm, stride_xk,
-                              stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA, W_KN)
-                total += acc  # 0 + acc is acc: an accumulator that starts at +0 never sums to -0
+        total = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, x_desc, w_desc, k_start,
+                        tl.minimum(k_start + k_per_split, K), rows, cols, M, N, pid_m, pid_n, stride_xm, stride_xk,
+                        stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA, W_KN, WS)
         o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
                   + cols[None, :])
         tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, k_per_split, stride_om, PROGRAMS,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr, W_KN: tl.constexpr, WALK: tl.constexpr,
-                                  PDL: tl.constexpr = False):
-        # TMA tiles: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each tile its WALK
-        # K-slices as `_matmul_kernel` walks them: the same chunks in the same order (kernels/tma.py)
+    def _persistent_matmul_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, PROGRAMS, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  W_KN: tl.constexpr, PDL: tl.constexpr = False):
+        # TMA tiles, one K-slice: PROGRAMS programs walk the tiles of `_matmul_kernel`'s grid in its order, each
+        # summing the same chunks in the same order (kernels/tma.py)
         pdl_start(PDL)
         for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS):
             pid_m, pid_n, rows, cols = tile_span(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if WALK == 1:
-                total = _chunks(total, None, None, x_desc, w_desc, 0, K, rows, cols, M, N, pid_m, pid_n, 0, 0, 0, 0,
-                                BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
-            else:
-                for s in range(WALK):
-                    acc = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), None, None, x_desc, w_desc,
-                                  s * k_per_split, tl.minimum((s + 1) * k_per_split, K), rows, cols, M, N, pid_m,
-                                  pid_n, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
-                    total += acc
+            total = _chunks(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), None, None, x_desc, w_desc, 0, K, rows,
+                            cols, M, N, pid_m, pid_n, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, False, True, W_KN)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                      total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -171,10 +147,8 @@ def use_kernel(x: torch.Tensor) -> bool:
     return HAVE_TRITON and ((x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)) or _interpret())
 
 
-def splits_for(n: int, k: int) -> int:
-    """K-slices of an [*, k] x [k, n] product: a function of the weight's shape alone (batch invariance)."""
-    if (n, k) in SHAPE_SLICES:
-        return SHAPE_SLICES[(n, k)]
+def splits_for(k: int) -> int:
+    """K-slices of a reduction of length k: a function of k alone (batch invariance)."""
     return max(1, -(-k // SLICE_K)) if k > 2 * SLICE_K else 1
 
 
@@ -203,27 +177,24 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple | None = None) -> torc
         x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
         w_desc = (TensorDescriptor.from_tensor(w.t(), [BLOCK_K, block_n]) if w_kn
                   else TensorDescriptor.from_tensor(w, [block_n, BLOCK_K]))
-    splits = splits_for(N, K)
+    splits = splits_for(K)
     k_per_split = -(-K // splits)
     k_per_split = -(-k_per_split // BLOCK_K) * BLOCK_K
     splits = -(-K // k_per_split)
-    # slices a program walks: a long reduction's stay programs of their own at every row count (walking the
-    # self-conditioning product's 16 on its 128x256 tile spills registers on sm90: benchmarks/device/matmul_sm90.py)
-    walk = splits if M >= WALK_ROWS and (N, K) in SHAPE_SLICES else 1
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if persistent and x_desc is not None and walk == splits:
+    if persistent and x_desc is not None and splits == 1:
         grid = tma_tiles.programs(x.device, triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
-        _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, k_per_split, out.stride(0), PROGRAMS=grid,
+        _persistent_matmul_kernel[(grid,)](x_desc, w_desc, out, M, N, K, out.stride(0), PROGRAMS=grid,
                                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-                                           W_KN=w_kn, WALK=walk, num_warps=warps, num_stages=stages, **pdl_launch())
+                                           W_KN=w_kn, num_warps=warps, num_stages=stages, **pdl_launch())
         return out
-    parts = out if walk == splits else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits // walk)
+    parts = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
     _matmul_kernel[grid](x, w, x_desc, w_desc, parts, M, N, K, k_per_split, x.stride(0), x.stride(1), w.stride(0),
                          w.stride(1), parts.stride(0) if parts is not out else 0, parts.stride(-2), BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, IEEE=x.dtype == torch.float32,
-                         TMA=x_desc is not None, W_KN=w_kn and x_desc is not None, WALK=walk, num_warps=warps,
-                         num_stages=stages, **pdl_launch())
+                         TMA=x_desc is not None, W_KN=w_kn and x_desc is not None, num_warps=warps, num_stages=stages,
+                         **pdl_launch())
     if parts is not out:
         block = 1024
         _sum_slices_kernel[(triton.cdiv(M * N, block),)](parts, out, M * N, SLICES=splits, BLOCK=block, **pdl_launch())
