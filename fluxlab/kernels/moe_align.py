@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from fluxlab.kernels.pdl import launch as pdl_launch, start as pdl_start
 
 try:
@@ -311,7 +312,7 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int, chunk: int
     base = torch.empty_like(chunk_counts)
     runs = torch.empty(2, width, dtype=torch.int32, device=flat.device)
     _chunk_hist_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, CHUNK=chunk, W=width, num_warps=4,
-                        **pdl_launch())
+                                      **pdl_launch())
     _chunk_scan_kernel[(1,)](chunk_counts, base, runs, total, num_chunks, BLOCK_M=block_m, W=width,
                              CB=min(32, _next_pow2(num_chunks)), num_warps=8, **pdl_launch())
     _chunk_scatter_kernel[(num_chunks,)](flat, base, runs, sorted_ids, expert_ids, n, num_experts,
