@@ -3,13 +3,14 @@
 Run once per tree (PYTHONPATH picks it), then `--compare a.pt b.pt` prints each case's times side by side and whether
 the outputs are equal bit for bit. Cases: the FP8 GEMM (kernels/fp8_gemm.py) at Diffusion-Gemma 26B-A4B's shapes
 (model.quantization=fp8) at 256 / 4096 rows and LLaDA2.0-mini's at 32 / 2048, each eager (pointer loads) and as the
-graphs launch it (TMA tiles, persistent from the row count `tma.persistent` names); the FP8 fused MoE
-(kernels/fp8_moe.py) at DG's experts (E 128, H 2816, I 704, top-8, gelu-tanh) at 256 / 4096 tokens and LLaDA2.0-mini's
-(E 256, H 2048, I 512, top-8, SiLU) at 32 / 2048. Inputs come from seeded generators on the device, so both trees see
-the same numbers. Times: replays of one CUDA graph (`fluxlab.bench.moe_tune.graph_ms`), GEMM weights rotated through
-copies past L2.
+graphs launch it (TMA tiles, persistent from the row count `tma.persistent` names; env PATHS=graph: that one only); the
+FP8 fused MoE (kernels/fp8_moe.py) at DG's experts (E 128, H 2816, I 704, top-8, gelu-tanh) at 256 / 4096 tokens and
+LLaDA2.0-mini's (E 256, H 2048, I 512, top-8, SiLU) at 32 / 2048. Inputs come from seeded generators on the device, so
+both trees see the same numbers. Times: replays of one CUDA graph (`fluxlab.bench.moe_tune.graph_ms`), GEMM weights
+rotated through copies past L2.
 Usage: python3 benchmarks/device/fp8_ab.py OUT.pt | python3 benchmarks/device/fp8_ab.py --compare A.pt B.pt
 """
+import os
 import sys
 
 import torch
@@ -21,6 +22,7 @@ GEMMS = {"dg": ({(8192, 2816): 25, (9216, 2816): 5, (2816, 4096): 25, (2816, 819
 MOES = {"dg": ((128, 2816, 704, 8, "gelu_tanh"), 30, (256, 4096)),
         "llada": ((256, 2048, 512, 8, "silu"), 19, (32, 2048))}
 COPIES_BYTES = 160e6
+PATHS = os.environ.get("PATHS", "eager,graph").split(",")  # the GEMM's launch paths timed
 
 
 def run(out_path: str) -> None:
@@ -43,7 +45,8 @@ def run(out_path: str) -> None:
             for rows in row_counts:
                 x = randn(rows, k).to(torch.bfloat16)
                 tiles = fp8_gemm.tile_for(rows, n, k)
-                for path, full in (("eager", tiles), ("graph", (*tiles, 1, tma.persistent("fp8_gemm", rows)))):
+                paths = {"eager": tiles, "graph": (*tiles, 1, tma.persistent("fp8_gemm", rows))}
+                for path, full in ((p, paths[p]) for p in PATHS):
                     calls = [lambda w=w, full=full: fp8_matmul(x, *w, tiles=full) for w in copies]
                     ms = graph_ms(lambda calls=calls: [c() for c in calls]) / len(calls)
                     saved[f"gemm {model} {n}x{k} @{rows} {path}"] = (ms, count, calls[0]().cpu())

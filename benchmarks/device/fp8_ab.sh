@@ -25,10 +25,11 @@ if [[ $STEPS == *T* ]]; then
 fi
 if [[ $STEPS == *K* ]]; then
   t "K: kernels, base"
-  in_base timeout 150 python3 $ROOT/benchmarks/device/fp8_ab.py $OUT/kernels_base.pt > $OUT/kernels_base.log 2>&1
+  in_base timeout ${K_TIMEOUT:-150} python3 $ROOT/benchmarks/device/fp8_ab.py $OUT/kernels_base.pt \
+    > $OUT/kernels_base.log 2>&1
   echo "exit $?"; tail -2 $OUT/kernels_base.log
   t "K: kernels, this tree"
-  timeout 150 python3 benchmarks/device/fp8_ab.py $OUT/kernels_new.pt > $OUT/kernels_new.log 2>&1
+  timeout ${K_TIMEOUT:-150} python3 benchmarks/device/fp8_ab.py $OUT/kernels_new.pt > $OUT/kernels_new.log 2>&1
   echo "exit $?"; tail -2 $OUT/kernels_new.log
   python3 benchmarks/device/fp8_ab.py --compare $OUT/kernels_base.pt $OUT/kernels_new.pt 2>&1 \
     | tee $OUT/kernels_compare.txt
