@@ -18,7 +18,8 @@ NEW=$ROOT
 if [[ -n $CAND ]]; then
   rm -rf /tmp/cand && mkdir /tmp/cand
   cp -r fluxlab conf hydra_plugins recipes sweeps tests pyproject.toml setup.py /tmp/cand/
-  (cd /tmp/cand && patch -p1 -s < $ROOT/$CAND) || { echo "patch $CAND does not apply"; exit 1; }
+  [[ $CAND == /* ]] || CAND=$ROOT/$CAND
+  (cd /tmp/cand && { patch -p1 -s < $CAND || git apply $CAND; }) || { echo "patch $CAND does not apply"; exit 1; }
   BASE=$ROOT NEW=/tmp/cand
 fi
 t() { echo "[t+${SECONDS}s] $*"; }
