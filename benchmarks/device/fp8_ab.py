@@ -75,8 +75,8 @@ def compare(a_path: str, b_path: str) -> None:
     for key in a:
         (ms_a, count, out_a), (ms_b, _, out_b) = a[key], b[key]
         print(f"{key:>40} {ms_a * 1e3:>9.1f} {ms_b * 1e3:>9.1f} {ms_b / ms_a:>6.3f} {torch.equal(out_a, out_b)}")
-        parts = key.split()
-        group = " ".join(parts[:2] + parts[3:])  # a GEMM's shape left out: the model's GEMMs at a row count and path
+        parts = key.split()  # a GEMM's shape left out: a model's GEMMs at a row count and path; a MoE call as it is
+        group = " ".join(parts[:2] + parts[3:]) if parts[0] == "gemm" else key
         steps.setdefault(group, [0.0, 0.0])
         steps[group][0] += ms_a * count
         steps[group][1] += ms_b * count
