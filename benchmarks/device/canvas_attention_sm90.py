@@ -48,6 +48,15 @@ def resources(kernel, tile: tuple, fresh: bool) -> str:
 def sm90_usage(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> str:
     """'REG:n STACK:n shared n SASS n' of `kernel` compiled for sm90 (a ptxas failure raises). Env PDL=1: with
     programmatic dependent launch (kernels/pdl.py), as FLUXLAB_PDL=1 launches it."""
+    compiled, usage, sass = compile_sm90(kernel, signature, constexprs, attrs, warps, stages)
+    line = next(line for line in usage.splitlines() if "REG:" in line).split()
+    instructions = sum(1 for row in sass.splitlines() if row.strip().startswith("/*") and "*/" in row.strip()[2:8])
+    return f"{line[0]:8} {line[1]:11} shared {compiled.metadata.shared:<6} SASS {instructions}"
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int):
+    """`kernel` compiled for sm90 -> (the compiled kernel, cuobjdump's resource usage, its SASS listing). Env PDL=1 as
+    in `sm90_usage`."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -67,9 +76,7 @@ def sm90_usage(kernel, signature: dict, constexprs: dict, attrs: dict, warps: in
         cubin.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
         sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True).stdout
-    line = next(line for line in usage.splitlines() if "REG:" in line).split()
-    instructions = sum(1 for row in sass.splitlines() if row.strip().startswith("/*") and "*/" in row.strip()[2:8])
-    return f"{line[0]:8} {line[1]:11} shared {compiled.metadata.shared:<6} SASS {instructions}"
+    return compiled, usage, sass
 
 
 def main(argv: list[str]) -> None:

@@ -13,18 +13,16 @@ a copy with benchmarks/device/candidates/fp8_scale_prefetch.patch applied)
 import importlib
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from canvas_attention_sm90 import HERE, compile_sm90  # noqa: E402
+
 FP8_ARGS = {"xq_ptr", "w_ptr", "a_ptr"}  # e4m3 operands; the gate/up kernel's out_ptr too (its epilogue quantizes)
 
 
-def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, tma_rows: dict | None = None):
-    import triton
-    from triton.backends.compiler import GPUTarget
-
+def loops(kernel, constexprs: dict, warps: int, stages: int, tma_rows: dict | None = None) -> str:
+    """One line on `kernel`'s K loop for sm90: registers, stack, staged buffers, LDGs an iteration (module doc)."""
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -36,19 +34,11 @@ def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, tma_rows: di
             signature[name] = ("*fp8e4nv" if e4m3 else "*i32" if "ids" in name or "total" in name else
                                "*bf16" if name == "out_ptr" else "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
+        elif name != "PDL":
             signature[name] = "i32"
             if name.startswith("stride") or name in ("N", "K", "H", "I"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps,
-                                                                                     num_stages=stages))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True).stdout
+    compiled, usage, sass = compile_sm90(kernel, signature, constexprs, attrs, warps, stages)
     reg, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
     staged = len(re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<\d+x", compiled.asm["ttgir"]))
     return f"REG {reg:>3}  STACK {stack:>4}  staged buffers {staged}  LDGs an iteration {loop_loads(sass)}"
@@ -84,14 +74,14 @@ def main(argv: list[str]) -> None:
                 consts["WS"] = False
             if not tma:
                 consts.update(x_desc=None, w_desc=None)
-            line = compile_sm90(gemm._fp8_gemm_kernel, consts, warps, stages, {"x_desc": bm, "w_desc": bn})
+            line = loops(gemm._fp8_gemm_kernel, consts, warps, stages, {"x_desc": bm, "w_desc": bn})
             print(f"fp8 GEMM {bm}x{bn} w{warps} s{stages} {'tma     ' if tma else 'pointers'}: {line}")
     cfg = moe.FP8MoEConfig()
     act = dict(ACT=1, ROUND_DT=tl.bfloat16, INTERPRET=False)
-    print(f"fp8 MoE gate/up {cfg.BLOCK_M}x{gemm.GROUP} w{cfg.WARPS1} s{cfg.STAGES1}: " + compile_sm90(
+    print(f"fp8 MoE gate/up {cfg.BLOCK_M}x{gemm.GROUP} w{cfg.WARPS1} s{cfg.STAGES1}: " + loops(
         moe._fp8_gate_up_kernel, dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=gemm.GROUP, BLOCK_K=gemm.GROUP,
                                       GROUP_M=cfg.GROUP_M, EVEN_K=True, **act), cfg.WARPS1, cfg.STAGES1))
-    print(f"fp8 MoE down {cfg.BLOCK_M}x{cfg.BLOCK_N2} w{cfg.WARPS2} s{cfg.STAGES2}: " + compile_sm90(
+    print(f"fp8 MoE down {cfg.BLOCK_M}x{cfg.BLOCK_N2} w{cfg.WARPS2} s{cfg.STAGES2}: " + loops(
         moe._fp8_down_kernel, dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=gemm.GROUP,
                                    GROUP_M=cfg.GROUP_M, EVEN_K=False), cfg.WARPS2, cfg.STAGES2))
 
