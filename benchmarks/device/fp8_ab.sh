@@ -1,6 +1,6 @@
 #!/bin/bash
 # A/B of the FP8 kernels between a baseline tree and a candidate, in one call (run from the repo root):
-# CAND=a patch (e.g. benchmarks/device/candidates/fp8_scale_prefetch.patch): this tree is the baseline and a copy of it
+# CAND=a patch file (a candidate kernel change): this tree is the baseline and a copy of it
 # with the patch applied (/tmp/cand) the candidate, carry [".whl"]; without CAND: BASE (default .head: a `git archive`
 # of the commit before the change, fluxlab/assets left out) against this tree, carry [".whl", ".head"].
 # T: the GPU tests in the candidate (TESTS, default the FP8 kernels', test_pdl's and the bf16 matmul's);

@@ -1,14 +1,13 @@
 """The FP8 kernels' sm90 K loops without a GPU (kernels/fp8_gemm.py, kernels/fp8_moe.py): registers, spills, whether
 Triton's pipeliner staged the loop's loads (shared-memory buffers with a stage dimension) and, in the SASS, the global
-loads (LDG) an iteration issues between its barrier wait and its e4m3 MMA (QGMMA) wait. On main those are the block's
-scales, which the iteration then waits on (every column's weight scale at 64-wide tiles); with
-benchmarks/device/candidates/fp8_scale_prefetch.patch, the next block's (docs/benchmarks.md, "The FP8 kernels' scale
-loads").
+loads (LDG) an iteration issues between its barrier wait and its e4m3 MMA (QGMMA) wait. Before 2026-12-08 those were
+the block's own scales, which the iteration then waited on (every column's weight scale at 64-wide tiles); since, the
+next block's, loaded ahead (docs/benchmarks.md, "The FP8 kernels' scale loads").
 
 Compiled as canvas_attention_sm90.py does (Triton's CUDA backend on the CPU machine; the launch's divisibility-by-16
 specialization of the strides and sizes); the Triton here may not be the device image's (pip download triton==3.6.0).
 Usage: python3 benchmarks/device/fp8_sm90.py [TREE] (TREE: a directory holding a fluxlab/, default this checkout; e.g.
-a copy with benchmarks/device/candidates/fp8_scale_prefetch.patch applied)
+`git archive 4c17449 fluxlab | tar -x -C DIR` for the loops before the prefetch)
 """
 import importlib
 import os

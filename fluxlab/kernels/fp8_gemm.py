@@ -100,6 +100,35 @@ if HAVE_TRITON:
         tl.store(q_ptr + row * stride_qm + cols, q, mask=inside)
         tl.store(s_ptr + row * stride_sm + groups, s, mask=groups * BLOCK_K < K)
 
+    # Each K-block's scales are loaded one iteration ahead of their use (the kernels here and in fp8_moe.py): a load
+    # in the iteration that uses it is not pipelined (it feeds the dot's result, not its operands), so its latency
+    # stood in every iteration of a short-M GEMM. One block ahead only: Triton's pipeliner skips a loop whose carried
+    # values reach further back than one iteration.
+    @triton.jit
+    def _scale_ptrs(ws_ptr, col0, cols, stride_wsn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A weight tile's scale pointers along K: at most BLOCK_K wide, the tile lies in one scale block (col0's),
+        so one pointer (each column would load the same value); wider, a pointer a column."""
+        if BLOCK_N <= BLOCK_K:
+            return ws_ptr + (col0 // BLOCK_K) * stride_wsn
+        else:
+            return ws_ptr + (cols // BLOCK_K) * stride_wsn
+
+    @triton.jit
+    def _load_scale(ptrs, kb, ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """K-block kb's weight scale(s) from `_scale_ptrs` (zero past N for a pointer a column)."""
+        if BLOCK_N <= BLOCK_K:
+            return tl.load(ptrs + kb)
+        else:
+            return tl.load(ptrs + kb, mask=ok, other=0.0)
+
+    @triton.jit
+    def _scaled(d, a_s, b_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A K-block's product times its scales, activation scale first (the order every path keeps)."""
+        if BLOCK_N <= BLOCK_K:
+            return d * a_s[:, None] * b_s
+        else:
+            return d * a_s[:, None] * b_s[None, :]
+
     @triton.jit
     def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, x_desc, w_desc, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm,
                          stride_wn, stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,11 +143,14 @@ if HAVE_TRITON:
         row_ok = rows < M
         col_ok = cols < N
         x_ptrs = xq_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-        ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
+        xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
+        ws_ptrs = _scale_ptrs(ws_ptr, pid_n * BLOCK_N, cols, stride_wsn, BLOCK_N, BLOCK_K)
+        num_kb = tl.cdiv(K, BLOCK_K)
+        a_s_next = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+        b_s_next = _load_scale(ws_ptrs, 0, col_ok, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WS):
+        for kb in tl.range(0, num_kb, warp_specialize=WS):
             if TMA:
                 a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
@@ -129,9 +161,11 @@ if HAVE_TRITON:
                 k_ok = offs_k < K - kb * BLOCK_K
                 a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-            b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_s, b_s = a_s_next, b_s_next
+            kb_next = tl.minimum(kb + 1, num_kb - 1)  # the last iteration reloads its own block's (unused)
+            a_s_next = tl.load(xs_ptrs + kb_next, mask=row_ok, other=0.0)
+            b_s_next = _load_scale(ws_ptrs, kb_next, col_ok, BLOCK_N, BLOCK_K)
+            acc += _scaled(tl.dot(a, b), a_s, b_s, BLOCK_N, BLOCK_K)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -153,14 +187,19 @@ if HAVE_TRITON:
             row_ok = rows < M
             col_ok = cols < N
             xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
-            ws_ptrs = ws_ptr + (cols // BLOCK_K) * stride_wsn
+            ws_ptrs = _scale_ptrs(ws_ptr, pid_n * BLOCK_N, cols, stride_wsn, BLOCK_N, BLOCK_K)
+            num_kb = tl.cdiv(K, BLOCK_K)
+            a_s_next = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+            b_s_next = _load_scale(ws_ptrs, 0, col_ok, BLOCK_N, BLOCK_K)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            for kb in range(0, num_kb):
                 a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
-                a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-                b_s = tl.load(ws_ptrs + kb, mask=col_ok, other=0.0)
-                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+                a_s, b_s = a_s_next, b_s_next
+                kb_next = tl.minimum(kb + 1, num_kb - 1)
+                a_s_next = tl.load(xs_ptrs + kb_next, mask=row_ok, other=0.0)
+                b_s_next = _load_scale(ws_ptrs, kb_next, col_ok, BLOCK_N, BLOCK_K)
+                acc += _scaled(tl.dot(a, b), a_s, b_s, BLOCK_N, BLOCK_K)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from fluxlab.kernels.fp8_gemm import GROUP, quant_tile, quantize_act
+from fluxlab.kernels.fp8_gemm import GROUP, _load_scale, _scale_ptrs, _scaled, quant_tile, quantize_act
 from fluxlab.kernels.fused_norm import _tl_dtype
 from fluxlab.kernels.fused_moe import ACTIVATIONS, combine_slots
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, triton
@@ -86,12 +86,16 @@ if HAVE_TRITON:
             as_ptrs = xs_ptr + tok * stride_xsm
             bg_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             bu_ptrs = bg_ptrs + I * stride_wn
-            # gate rows' scale blocks, then up rows' (ceil(I/128) of each)
-            sg_ptrs = ws_ptr + e * stride_wse + (offs_n // BLOCK_K) * stride_wsn
+            # gate rows' scale blocks, then up rows' (ceil(I/128) of each); each K-block's loaded a block ahead
+            sg_ptrs = _scale_ptrs(ws_ptr + e * stride_wse, pid_n * BLOCK_N, offs_n, stride_wsn, BLOCK_N, BLOCK_K)
             su_ptrs = sg_ptrs + tl.cdiv(I, BLOCK_K) * stride_wsn
+            num_kb = tl.cdiv(H, BLOCK_K)
+            a_s_next = tl.load(as_ptrs, mask=valid, other=0.0)
+            s_g_next = _load_scale(sg_ptrs, 0, n_ok, BLOCK_N, BLOCK_K)
+            s_u_next = _load_scale(su_ptrs, 0, n_ok, BLOCK_N, BLOCK_K)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for kb in range(0, tl.cdiv(H, BLOCK_K)):
+            for kb in range(0, num_kb):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                     bg = tl.load(bg_ptrs, mask=n_ok[None, :], other=0.0)
@@ -101,11 +105,13 @@ if HAVE_TRITON:
                     a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
                     bg = tl.load(bg_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                     bu = tl.load(bu_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-                s_g = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
-                s_u = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-                acc_g += tl.dot(a, bg) * a_s[:, None] * s_g[None, :]
-                acc_u += tl.dot(a, bu) * a_s[:, None] * s_u[None, :]
+                a_s, s_g, s_u = a_s_next, s_g_next, s_u_next
+                kb_next = tl.minimum(kb + 1, num_kb - 1)  # the last iteration reloads its own block's (unused)
+                a_s_next = tl.load(as_ptrs + kb_next, mask=valid, other=0.0)
+                s_g_next = _load_scale(sg_ptrs, kb_next, n_ok, BLOCK_N, BLOCK_K)
+                s_u_next = _load_scale(su_ptrs, kb_next, n_ok, BLOCK_N, BLOCK_K)
+                acc_g += _scaled(tl.dot(a, bg), a_s, s_g, BLOCK_N, BLOCK_K)
+                acc_u += _scaled(tl.dot(a, bu), a_s, s_u, BLOCK_N, BLOCK_K)
                 a_ptrs += BLOCK_K
                 bg_ptrs += BLOCK_K
                 bu_ptrs += BLOCK_K
@@ -140,9 +146,12 @@ if HAVE_TRITON:
             a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
             as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
             b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-            s_ptrs = ws_ptr + e * stride_wse + (offs_n // BLOCK_K) * stride_wsn
+            s_ptrs = _scale_ptrs(ws_ptr + e * stride_wse, pid_n * BLOCK_N, offs_n, stride_wsn, BLOCK_N, BLOCK_K)
+            num_kb = tl.cdiv(I, BLOCK_K)
+            a_s_next = tl.load(as_ptrs, mask=valid, other=0.0)
+            s_b_next = _load_scale(s_ptrs, 0, n_ok, BLOCK_N, BLOCK_K)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for kb in range(0, tl.cdiv(I, BLOCK_K)):
+            for kb in range(0, num_kb):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                     b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
@@ -150,9 +159,11 @@ if HAVE_TRITON:
                     k_ok = offs_k < I - kb * BLOCK_K
                     a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-                s_b = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-                acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
+                a_s, s_b = a_s_next, s_b_next
+                kb_next = tl.minimum(kb + 1, num_kb - 1)
+                a_s_next = tl.load(as_ptrs + kb_next, mask=valid, other=0.0)
+                s_b_next = _load_scale(s_ptrs, kb_next, n_ok, BLOCK_N, BLOCK_K)
+                acc += _scaled(tl.dot(a, b), a_s, s_b, BLOCK_N, BLOCK_K)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
             w = tl.load(topk_weight_ptr + slot, mask=valid, other=0.0).to(tl.float32)
