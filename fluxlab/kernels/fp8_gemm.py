@@ -15,7 +15,8 @@ cutting K into segments fixed by the weight's shape (split-K with the same bits 
 as programs plus a summing kernel when tiles are few, walked by one program otherwise): slower at 32,
 256 and 2048 rows on an H100 (2026-12-06, docs/benchmarks.md). Taking two K-blocks an iteration (both dots
 before either add, the same bits) was slower at 256-4096 rows under graphs. What did pay is TMA tiles (TMA below),
-and from 1024 rows their persistent launch (`tma.persistent`: two programs an SM walking the same tiles).
+from 1024 rows their persistent launch (`tma.persistent`: two programs an SM walking the same tiles), and loading
+each K-block's scales one iteration ahead (`_scale_ptrs`; the same bits, H100 2026-12-08).
 
 Batch invariant and graph capturable: BLOCK_M 64 whatever M is (BLOCK_N and the pipeline stages by row count
 and weight shape, `tile_for`, which leaves the bits unchanged), the reduction of every output element is the
