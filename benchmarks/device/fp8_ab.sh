@@ -5,7 +5,7 @@
 # of the commit before the change, fluxlab/assets left out) against this tree, carry [".whl", ".head"].
 # T: the GPU tests in the candidate (TESTS, default the FP8 kernels', test_pdl's and the bf16 matmul's);
 # K: benchmarks/device/fp8_ab.py in each tree, then its --compare (bits and graph-replay times per GEMM and MoE call);
-# R: LLaDA2.0-mini fp8 decode / block at batch 1 and 64 (fluxlab.bench.roofline), each tree;
+# R: LLaDA2.0-mini fp8 decode / block at batch 1 and 64 (fluxlab.bench.roofline), each tree, R_REPEATS times;
 # D: Diffusion-Gemma 26B-A4B fp8 denoising step at DG_BATCHES (default 1,16) and served c1 (fluxlab.bench.canvas), each
 # tree. STEPS picks (default TKRD). Outputs under $OUT.
 export PYTHONUNBUFFERED=1
@@ -47,10 +47,14 @@ if [[ $STEPS == *K* ]]; then
 fi
 if [[ $STEPS == *R* ]]; then
   R="--batch-sizes 1,64 --variants triton+graph --quantization fp8"
-  t "R: LLaDA2.0-mini fp8, base"
-  in_base timeout 110 python3 -m fluxlab.bench.roofline $R --out $OUT/roofline_base.json 2>&1 | grep -vi warn | tail -3
-  t "R: candidate"
-  in_new timeout 110 python3 -m fluxlab.bench.roofline $R --out $OUT/roofline_new.json 2>&1 | grep -vi warn | tail -3
+  for i in $(seq ${R_REPEATS:-1}); do  # base and candidate alternated: b1 moves ~0.1 ms between runs of one tree
+    t "R: LLaDA2.0-mini fp8, base ($i)"
+    in_base timeout 110 python3 -m fluxlab.bench.roofline $R --out $OUT/roofline_base_$i.json 2>&1 \
+      | grep -vi warn | tail -3
+    t "R: candidate ($i)"
+    in_new timeout 110 python3 -m fluxlab.bench.roofline $R --out $OUT/roofline_new_$i.json 2>&1 \
+      | grep -vi warn | tail -3
+  done
 fi
 if [[ $STEPS == *D* ]]; then
   D="--preset diffusion_gemma_26b_a4b --quantization fp8 --graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1
