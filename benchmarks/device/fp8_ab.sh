@@ -5,7 +5,7 @@
 # of the commit before the change, fluxlab/assets left out) against this tree, carry [".whl", ".head"].
 # T: the GPU tests in the candidate (TESTS, default the FP8 kernels', test_pdl's and the bf16 matmul's);
 # K: benchmarks/device/fp8_ab.py in each tree, then its --compare (bits and graph-replay times per GEMM and MoE call);
-# R: LLaDA2.0-mini fp8 decode / block at batch 1 and 64 (fluxlab.bench.roofline), each tree, R_REPEATS times;
+# R: LLaDA2.0-mini fp8 decode / block at batch 1 and 64 (fluxlab.bench.roofline; R_ARGS), each tree, R_REPEATS times;
 # D: Diffusion-Gemma 26B-A4B fp8 denoising step at DG_BATCHES (default 1,16) and served c1 (fluxlab.bench.canvas), each
 # tree. STEPS picks (default TKRD). Outputs under $OUT.
 export PYTHONUNBUFFERED=1
@@ -46,7 +46,7 @@ if [[ $STEPS == *K* ]]; then
     | tee $OUT/kernels_compare.txt
 fi
 if [[ $STEPS == *R* ]]; then
-  R="--batch-sizes 1,64 --variants triton+graph --quantization fp8"
+  R=${R_ARGS:-"--batch-sizes 1,64 --variants triton+graph --quantization fp8"}  # R_ARGS without --quantization: bf16
   for i in $(seq ${R_REPEATS:-1}); do  # base and candidate alternated: b1 moves ~0.1 ms between runs of one tree
     t "R: LLaDA2.0-mini fp8, base ($i)"
     in_base timeout 110 python3 -m fluxlab.bench.roofline $R --out $OUT/roofline_base_$i.json 2>&1 \
