@@ -7,11 +7,14 @@ This times candidate configs at 256 tokens (one canvas, 2048 slots), 1024 and 40
 checks, for each, whether the first canvas's rows inside the batch equal that canvas run alone through
 the one-canvas config, bit for bit. Random bf16 weights (E 128, top-8, H 2816, I 704), random routing.
 `--fp8`: the same for the FP8 fused MoE (kernels/fp8_moe.py, weights quantized to e4m3 with 128x128 block
-scales), whose candidates keep 64+-row tiles (wgmma; kernels/fp8_moe.py FP8MoEConfig).
+scales), whose candidates keep 64+-row tiles (wgmma; kernels/fp8_moe.py FP8MoEConfig). SHAPESET=llada with --fp8:
+LLaDA2.0-mini's experts (E 256, top-8, H 2048, I 512, SiLU) at 32 tokens (a batch-1 decode forward) and 2048 (batch
+64), the bits against the 32 tokens alone.
 Usage: python3 benchmarks/device/diffusion_gemma_moe_tiles.py [--fp8] [out.json]
 """
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -24,6 +27,10 @@ from fluxlab.models.diffusion_gemma.layers import canvas_moe_config
 
 E, TOP_K, H, I = 128, 8, 2816, 704
 CANVAS, TOKENS = 256, (256, 1024, 4096)
+ACTIVATION = "gelu_tanh"
+if os.environ.get("SHAPESET") == "llada":
+    E, TOP_K, H, I = 256, 8, 2048, 512
+    CANVAS, TOKENS, ACTIVATION = 32, (32, 2048), "silu"
 DEVICE = "cuda"
 CURRENT = canvas_moe_config(CANVAS)
 R = dataclasses.replace
@@ -60,6 +67,10 @@ FP8_CANDIDATES = {
     "w4 s4 d256 w8": R(FP8_CURRENT, WARPS1=4, STAGES1=4, BLOCK_N2=256),
     "bm128": R(FP8_CURRENT, BLOCK_M=128),
     "s2": R(FP8_CURRENT, STAGES1=2, STAGES2=2),
+    # 128-row tiles over 16 warps: one tile an expert at ~72 rows (LLaDA b64) or 256 (DG b16); at 8 warps gate/up
+    # takes 255 registers, at 16 128 (sm90 offline, triton 3.6.0)
+    "bm128 w16": R(FP8_CURRENT, BLOCK_M=128, WARPS1=16),
+    "bm128 w16 d-w16": R(FP8_CURRENT, BLOCK_M=128, WARPS1=16, WARPS2=16),
 }
 
 
@@ -86,12 +97,12 @@ def main():
         candidates, current = FP8_CANDIDATES, FP8_CURRENT
 
         def moe(x, index, weights, cfg):
-            return fp8_fused_moe(x, index, weights, *gate_up_q, *down_q, config=cfg, activation="gelu_tanh")
+            return fp8_fused_moe(x, index, weights, *gate_up_q, *down_q, config=cfg, activation=ACTIVATION)
     else:
         candidates, current = CANDIDATES, CURRENT
 
         def moe(x, index, weights, cfg):
-            return fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation="gelu_tanh")
+            return fused_moe(x, index, weights, w_gate_up, w_down, config=cfg, activation=ACTIVATION)
     batch = case(max(TOKENS), gen)
     x, index, weights = (t[:CANVAS] for t in batch)
     alone = moe(x, index, weights, current)
