@@ -6,8 +6,8 @@
 # T: the GPU tests in the candidate (TESTS, default the FP8 kernels', test_pdl's and the bf16 matmul's);
 # K: benchmarks/device/fp8_ab.py in each tree, then its --compare (bits and graph-replay times per GEMM and MoE call);
 # R: LLaDA2.0-mini fp8 decode / block at batch 1 and 64 (fluxlab.bench.roofline; R_ARGS), each tree, R_REPEATS times;
-# D: Diffusion-Gemma 26B-A4B fp8 denoising step at DG_BATCHES (default 1,16) and served c1 (fluxlab.bench.canvas), each
-# tree. STEPS picks (default TKRD). Outputs under $OUT.
+# D: Diffusion-Gemma 26B-A4B fp8 (DG_QUANT=none: bf16) denoising step at DG_BATCHES (default 1,16) and served c1
+# (fluxlab.bench.canvas), each tree. STEPS picks (default TKRD). Outputs under $OUT.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out_fp8_ab}
 mkdir -p "$OUT"
@@ -57,8 +57,8 @@ if [[ $STEPS == *R* ]]; then
   done
 fi
 if [[ $STEPS == *D* ]]; then
-  D="--preset diffusion_gemma_26b_a4b --quantization fp8 --graphs on --batch-sizes ${DG_BATCHES:-1,16} --concurrency 1
-    --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats ${REPEATS:-3}"
+  D="--preset diffusion_gemma_26b_a4b --quantization ${DG_QUANT:-fp8} --graphs on --batch-sizes ${DG_BATCHES:-1,16}
+    --concurrency 1 --steps 16 --prompt-tokens 256 --max-new-tokens 512 --repeats ${REPEATS:-3}"
   t "D: DG fp8, base"
   in_base timeout 150 python3 -m fluxlab.bench.canvas $D --out $OUT/dg_base.json > $OUT/dg_base.log 2>&1
   echo "exit $?"; grep -vi warn $OUT/dg_base.log | grep -v "^$" | tail -5
