@@ -123,6 +123,11 @@ if HAVE_TRITON:
             return tl.load(ptrs + kb, mask=ok, other=0.0)
 
     @triton.jit
+    def _scales_at(xs_ptrs, ws_ptrs, kb, row_ok, col_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """K-block kb's activation scales (zero past M) and weight scale(s) (`_load_scale`)."""
+        return tl.load(xs_ptrs + kb, mask=row_ok, other=0.0), _load_scale(ws_ptrs, kb, col_ok, BLOCK_N, BLOCK_K)
+
+    @triton.jit
     def _scaled(d, a_s, b_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """A K-block's product times its scales, activation scale first (the order every path keeps)."""
         if BLOCK_N <= BLOCK_K:
@@ -148,8 +153,7 @@ if HAVE_TRITON:
         xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
         ws_ptrs = _scale_ptrs(ws_ptr, pid_n * BLOCK_N, cols, stride_wsn, BLOCK_N, BLOCK_K)
         num_kb = tl.cdiv(K, BLOCK_K)
-        a_s_next = tl.load(xs_ptrs, mask=row_ok, other=0.0)
-        b_s_next = _load_scale(ws_ptrs, 0, col_ok, BLOCK_N, BLOCK_K)
+        a_s_next, b_s_next = _scales_at(xs_ptrs, ws_ptrs, 0, row_ok, col_ok, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in tl.range(0, num_kb, warp_specialize=WS):
             if TMA:
@@ -163,9 +167,9 @@ if HAVE_TRITON:
                 a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             a_s, b_s = a_s_next, b_s_next
-            kb_next = tl.minimum(kb + 1, num_kb - 1)  # the last iteration reloads its own block's (unused)
-            a_s_next = tl.load(xs_ptrs + kb_next, mask=row_ok, other=0.0)
-            b_s_next = _load_scale(ws_ptrs, kb_next, col_ok, BLOCK_N, BLOCK_K)
+            # the last iteration reloads its own block's (unused)
+            a_s_next, b_s_next = _scales_at(xs_ptrs, ws_ptrs, tl.minimum(kb + 1, num_kb - 1), row_ok, col_ok,
+                                            BLOCK_N, BLOCK_K)
             acc += _scaled(tl.dot(a, b), a_s, b_s, BLOCK_N, BLOCK_K)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -190,16 +194,14 @@ if HAVE_TRITON:
             xs_ptrs = xs_ptr + rows.to(tl.int64) * stride_xsm
             ws_ptrs = _scale_ptrs(ws_ptr, pid_n * BLOCK_N, cols, stride_wsn, BLOCK_N, BLOCK_K)
             num_kb = tl.cdiv(K, BLOCK_K)
-            a_s_next = tl.load(xs_ptrs, mask=row_ok, other=0.0)
-            b_s_next = _load_scale(ws_ptrs, 0, col_ok, BLOCK_N, BLOCK_K)
+            a_s_next, b_s_next = _scales_at(xs_ptrs, ws_ptrs, 0, row_ok, col_ok, BLOCK_N, BLOCK_K)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kb in range(0, num_kb):
                 a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
                 a_s, b_s = a_s_next, b_s_next
-                kb_next = tl.minimum(kb + 1, num_kb - 1)
-                a_s_next = tl.load(xs_ptrs + kb_next, mask=row_ok, other=0.0)
-                b_s_next = _load_scale(ws_ptrs, kb_next, col_ok, BLOCK_N, BLOCK_K)
+                a_s_next, b_s_next = _scales_at(xs_ptrs, ws_ptrs, tl.minimum(kb + 1, num_kb - 1), row_ok, col_ok,
+                                                BLOCK_N, BLOCK_K)
                 acc += _scaled(tl.dot(a, b), a_s, b_s, BLOCK_N, BLOCK_K)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

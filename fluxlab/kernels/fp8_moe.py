@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from fluxlab.kernels.fp8_gemm import GROUP, _load_scale, _scale_ptrs, _scaled, quant_tile, quantize_act
+from fluxlab.kernels.fp8_gemm import GROUP, _load_scale, _scale_ptrs, _scaled, _scales_at, quant_tile, quantize_act
 from fluxlab.kernels.fused_norm import _tl_dtype
 from fluxlab.kernels.fused_moe import ACTIVATIONS, combine_slots
 from fluxlab.kernels.moe_align import HAVE_TRITON, _interpret, moe_align, tl, triton
@@ -90,8 +90,7 @@ if HAVE_TRITON:
             sg_ptrs = _scale_ptrs(ws_ptr + e * stride_wse, pid_n * BLOCK_N, offs_n, stride_wsn, BLOCK_N, BLOCK_K)
             su_ptrs = sg_ptrs + tl.cdiv(I, BLOCK_K) * stride_wsn
             num_kb = tl.cdiv(H, BLOCK_K)
-            a_s_next = tl.load(as_ptrs, mask=valid, other=0.0)
-            s_g_next = _load_scale(sg_ptrs, 0, n_ok, BLOCK_N, BLOCK_K)
+            a_s_next, s_g_next = _scales_at(as_ptrs, sg_ptrs, 0, valid, n_ok, BLOCK_N, BLOCK_K)
             s_u_next = _load_scale(su_ptrs, 0, n_ok, BLOCK_N, BLOCK_K)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -107,8 +106,7 @@ if HAVE_TRITON:
                     bu = tl.load(bu_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 a_s, s_g, s_u = a_s_next, s_g_next, s_u_next
                 kb_next = tl.minimum(kb + 1, num_kb - 1)  # the last iteration reloads its own block's (unused)
-                a_s_next = tl.load(as_ptrs + kb_next, mask=valid, other=0.0)
-                s_g_next = _load_scale(sg_ptrs, kb_next, n_ok, BLOCK_N, BLOCK_K)
+                a_s_next, s_g_next = _scales_at(as_ptrs, sg_ptrs, kb_next, valid, n_ok, BLOCK_N, BLOCK_K)
                 s_u_next = _load_scale(su_ptrs, kb_next, n_ok, BLOCK_N, BLOCK_K)
                 acc_g += _scaled(tl.dot(a, bg), a_s, s_g, BLOCK_N, BLOCK_K)
                 acc_u += _scaled(tl.dot(a, bu), a_s, s_u, BLOCK_N, BLOCK_K)
@@ -148,8 +146,7 @@ if HAVE_TRITON:
             b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             s_ptrs = _scale_ptrs(ws_ptr + e * stride_wse, pid_n * BLOCK_N, offs_n, stride_wsn, BLOCK_N, BLOCK_K)
             num_kb = tl.cdiv(I, BLOCK_K)
-            a_s_next = tl.load(as_ptrs, mask=valid, other=0.0)
-            s_b_next = _load_scale(s_ptrs, 0, n_ok, BLOCK_N, BLOCK_K)
+            a_s_next, s_b_next = _scales_at(as_ptrs, s_ptrs, 0, valid, n_ok, BLOCK_N, BLOCK_K)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kb in range(0, num_kb):
                 if EVEN_K:
@@ -160,9 +157,8 @@ if HAVE_TRITON:
                     a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 a_s, s_b = a_s_next, s_b_next
-                kb_next = tl.minimum(kb + 1, num_kb - 1)
-                a_s_next = tl.load(as_ptrs + kb_next, mask=valid, other=0.0)
-                s_b_next = _load_scale(s_ptrs, kb_next, n_ok, BLOCK_N, BLOCK_K)
+                a_s_next, s_b_next = _scales_at(as_ptrs, s_ptrs, tl.minimum(kb + 1, num_kb - 1), valid, n_ok,
+                                                BLOCK_N, BLOCK_K)
                 acc += _scaled(tl.dot(a, b), a_s, s_b, BLOCK_N, BLOCK_K)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
