@@ -12,29 +12,24 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from canvas_attention_sm90 import HERE, sm90_usage  # noqa: E402
+from canvas_attention_sm90 import HERE, launch_signature, sm90_usage  # noqa: E402
 
 NOT_SPECIALIZED = {"group"}  # query heads a KV head: 4 in LLaDA2, never a multiple of 16
+FLOATS = {"scale_log2", "k_scale", "v_scale"}
 
 
 def usage(kernel, warps: int, pages: int, quant: bool) -> str:
     constexprs = dict(BL=32, BM=32, PACK=4, D=128, PAGES=pages, IEEE=False, KV_FP8=False)
     if "QUANT" in kernel.arg_names:
         constexprs.update(QUANT=quant, INTERPRET=False)
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = {"table_ptr": "*i32", "used_ptr": "*i32", "s_ptr": "*fp32"}.get(
+    def arg_type(name):
+        if name.endswith("_ptr"):
+            return {"table_ptr": "*i32", "used_ptr": "*i32", "s_ptr": "*fp32"}.get(
                 name, "*fp8e4nv" if name == "out_ptr" and quant else "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("scale_log2", "k_scale", "v_scale"):
-            signature[name] = "fp32"
-        elif name != "PDL":
-            signature[name] = "i32"
-            if name not in NOT_SPECIALIZED:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+        return "fp32" if name in FLOATS else None if name == "PDL" else "i32"
+
+    signature, attrs = launch_signature(kernel, constexprs, arg_type,
+                                        lambda name: name not in FLOATS and name not in NOT_SPECIALIZED)
     return sm90_usage(kernel, signature, constexprs, attrs, warps, 2)
 
 

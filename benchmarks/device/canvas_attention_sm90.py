@@ -29,20 +29,27 @@ def resources(kernel, tile: tuple, fresh: bool) -> str:
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, DP=padded, SLIDING=sliding, HAS_FRESH=fresh, IEEE=False)
     if "EVEN_D" in kernel.arg_names:  # the 26B head dims are powers of two: the launch's EVEN_D
         constexprs["EVEN_D"] = True
+    signature, attrs = launch_signature(
+        kernel, constexprs,
+        lambda name: ("*i64" if name in INDEX_POINTERS else "*bf16") if name.endswith("_ptr") else
+        "fp32" if name == "scale_log2" else "i32",
+        lambda name: name.endswith("_ptr") or (name != "scale_log2" and name not in NOT_SPECIALIZED))
+    return sm90_usage(kernel, signature, constexprs, attrs, warps, stages)
+
+
+def launch_signature(kernel, constexprs: dict, arg_type, specialized) -> tuple[dict, dict]:
+    """(signature, attrs) of `kernel` as a launch compiles it: the constexprs as such, every other argument typed
+    `arg_type(name)` (None: left out) and, where `specialized(name)`, marked divisible by 16, the specialization a
+    launch gives aligned pointers, strides and sizes (without it loads compile unvectorized and seem to spill)."""
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*i64" if name in INDEX_POINTERS else "*bf16"
+        kind = "constexpr" if name in constexprs else arg_type(name)
+        if kind is None:
+            continue
+        signature[name] = kind
+        if kind != "constexpr" and specialized(name):
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "scale_log2":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name not in NOT_SPECIALIZED:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sm90_usage(kernel, signature, constexprs, attrs, warps, stages)
+    return signature, attrs
 
 
 def sm90_usage(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> str:

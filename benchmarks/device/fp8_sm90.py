@@ -15,28 +15,24 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from canvas_attention_sm90 import HERE, compile_sm90  # noqa: E402
+from canvas_attention_sm90 import HERE, compile_sm90, launch_signature  # noqa: E402
 
 FP8_ARGS = {"xq_ptr", "w_ptr", "a_ptr"}  # e4m3 operands; the gate/up kernel's out_ptr too (its epilogue quantizes)
 
 
 def loops(kernel, constexprs: dict, warps: int, stages: int, tma_rows: dict | None = None) -> str:
     """One line on `kernel`'s K loop for sm90: registers, stack, staged buffers, LDGs an iteration (module doc)."""
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_desc"):
-            signature[name] = f"tensordesc<fp8e4nv[{tma_rows[name]}, 128]>"
-        elif name.endswith("_ptr"):
+    def arg_type(name):
+        if name.endswith("_desc"):
+            return f"tensordesc<fp8e4nv[{tma_rows[name]}, 128]>"
+        if name.endswith("_ptr"):
             e4m3 = name in FP8_ARGS or (name == "out_ptr" and kernel.fn.__name__ == "_fp8_gate_up_kernel")
-            signature[name] = ("*fp8e4nv" if e4m3 else "*i32" if "ids" in name or "total" in name else
-                               "*bf16" if name == "out_ptr" else "*fp32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name != "PDL":
-            signature[name] = "i32"
-            if name.startswith("stride") or name in ("N", "K", "H", "I"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            return ("*fp8e4nv" if e4m3 else "*i32" if "ids" in name or "total" in name else
+                    "*bf16" if name == "out_ptr" else "*fp32")
+        return None if name == "PDL" else "i32"
+
+    signature, attrs = launch_signature(kernel, constexprs, arg_type, lambda name: name.endswith("_ptr") or (
+        name.startswith("stride") or name in ("N", "K", "H", "I")))
     compiled, usage, sass = compile_sm90(kernel, signature, constexprs, attrs, warps, stages)
     reg, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
     staged = len(re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<\d+x", compiled.asm["ttgir"]))

@@ -14,27 +14,20 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from canvas_attention_sm90 import HERE, sm90_usage  # noqa: E402
+from canvas_attention_sm90 import HERE, launch_signature, sm90_usage  # noqa: E402
 
 NOT_SPECIALIZED = {"M", "PROGRAMS"}  # the row count and the persistent grid are whatever the batch makes them
 
 
 def usage(kernel, constexprs: dict, tile: tuple) -> str:
     block_m, block_n, warps, stages = tile
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_desc"):
-            rows = block_n if name == "w_desc" else block_m
-            signature[name] = f"tensordesc<bf16[{rows}, {constexprs['BLOCK_K']}]>"
-        elif name.endswith("_ptr"):
-            signature[name] = "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name not in NOT_SPECIALIZED:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    def arg_type(name):
+        if name.endswith("_desc"):
+            return f"tensordesc<bf16[{block_n if name == 'w_desc' else block_m}, {constexprs['BLOCK_K']}]>"
+        return "*bf16" if name.endswith("_ptr") else "i32"
+
+    signature, attrs = launch_signature(kernel, constexprs, arg_type,
+                                        lambda name: not name.endswith("_desc") and name not in NOT_SPECIALIZED)
     return sm90_usage(kernel, signature, constexprs, attrs, warps, stages)
 
 
